@@ -1,0 +1,201 @@
+"""Process configuration: one frozen dataclass per process.
+
+Values come from, in order of precedence: CLI flags, environment variables
+``TICKSERVE_<FIELD_NAME_UPPER>`` (e.g. ``TICKSERVE_MAX_BATCH_SIZE``), dataclass
+defaults. The card's names stay recognisable: ``max_queue_size`` is
+``--max-queue-size`` and ``TICKSERVE_MAX_QUEUE_SIZE``. Config is pure data — the
+builders take the environment as an argument and do no other I/O.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+ENV_PREFIX = "TICKSERVE_"
+
+
+class PrefillMode(str, enum.Enum):
+    """How prompts reach the decode batch (the card's ``PREFILL_MODE`` seam)."""
+
+    MONOLITHIC = "monolithic"  # whole prompt in one forward on admit
+    CHUNKED = "chunked"  # version A: one PREFILL_CHUNK_SIZE chunk per tick, own pass
+    MIXED_BATCH = "mixed_batch"  # version B: decode rows + a chunk in one pass (not built)
+    DISAGGREGATED = "disaggregated"  # P/D on separate workers (not built)
+
+
+class PolicyName(str, enum.Enum):
+    FCFS = "fcfs"
+    FAIR = "fair"
+
+
+class BackendName(str, enum.Enum):
+    HF = "hf"  # transformers DynamicCache, left-padded batch
+    PAGED = "paged"  # KV in the block pool, block tables, no padding
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = _opt("", "local HF model directory or .gguf file; empty → embedded SmolLM2-135M-Instruct")
+    device: str = _opt("auto", "auto | cuda | mps | cpu")
+    dtype: str = _opt("auto", "auto (bfloat16 on CUDA, float32 elsewhere) | float32 | bfloat16 | float16")
+    run_dir: str = _opt("", "directory for ipc:// socket files; empty → a fresh directory under /tmp")
+    input_addr: str = _opt("", "engine PULL address (submit/abort); empty → ipc://<run_dir>/input.sock")
+    output_addr: str = _opt("", "engine PUB address (acks/tokens); empty → ipc://<run_dir>/output.sock")
+    max_queue_size: int = _opt(256, "gate 1: requests allowed in _pending before HTTP 429")
+    max_batch_size: int = _opt(32, "rows in the decode batch (_active)")
+    prefill_chunk_size: int = _opt(256, "tokens of one prompt per tick in chunked mode")
+    prefill_mode: str = _opt("", "monolithic | chunked | mixed_batch | disaggregated; empty → chunked if prefill_chunk_size > 0")
+    policy: str = _opt("fcfs", "fcfs | fair (Virtual Token Counter)")
+    fair_prompt_weight: float = _opt(1.0, "VTC weight w_p of a prompt token (Sheng et al., OSDI'24)")
+    fair_output_weight: float = _opt(2.0, "VTC weight w_q of an output token (Sheng et al., OSDI'24)")
+    kv_budget_tokens: int = _opt(0, "gate 2: sum of prompt_len + max_tokens over _active; 0 → kv_block_size · kv_num_blocks")
+    kv_block_size: int = _opt(16, "tokens per KV cache block")
+    kv_num_blocks: int = _opt(0, "blocks in the pool; 0 → enough for max_batch_size full-context rows, capped at 8192")
+    backend: str = _opt("hf", "hf | paged")
+    max_model_len: int = _opt(2048, "context window in tokens (prompt + output); capped by the model's own")
+    torch_threads: int = _opt(0, "torch intra-op threads; 0 → all cores but one")
+    heartbeat_interval_s: float = _opt(0.25, "engine → frontend heartbeat period, seconds")
+    frontend_timeout_s: float = _opt(5.0, "a frontend silent this long has its requests aborted, seconds")
+    seed: int = _opt(0, "global torch seed (unseeded sampling)")
+    log_level: str = _opt("info", "debug | info | warning")
+
+    @property
+    def resolved_prefill_mode(self) -> PrefillMode:
+        """The card's rule: an empty mode is derived from PREFILL_CHUNK_SIZE (>0 → chunked)."""
+        if self.prefill_mode:
+            return PrefillMode(self.prefill_mode)
+        return PrefillMode.CHUNKED if self.prefill_chunk_size > 0 else PrefillMode.MONOLITHIC
+
+    @property
+    def resolved_num_blocks(self) -> int:
+        if self.kv_num_blocks > 0:
+            return self.kv_num_blocks
+        per_row = -(-self.max_model_len // self.kv_block_size)
+        return min(8192, per_row * self.max_batch_size)
+
+    @property
+    def resolved_kv_budget_tokens(self) -> int:
+        if self.kv_budget_tokens > 0:
+            return self.kv_budget_tokens
+        return self.resolved_num_blocks * self.kv_block_size
+
+    @property
+    def resolved_input_addr(self) -> str:
+        return self.input_addr or f"ipc://{os.path.join(self.run_dir, 'input.sock')}"
+
+    @property
+    def resolved_output_addr(self) -> str:
+        return self.output_addr or f"ipc://{os.path.join(self.run_dir, 'output.sock')}"
+
+    def problems(self) -> list[str]:
+        """Settings that can never work; the engine refuses to start with any."""
+        out = []
+        try:
+            mode = self.resolved_prefill_mode
+        except ValueError:
+            out.append(f"unknown prefill_mode {self.prefill_mode!r}")
+        else:
+            if mode is PrefillMode.CHUNKED and self.prefill_chunk_size <= 0:
+                out.append("prefill_mode=chunked needs prefill_chunk_size > 0")
+        if self.policy not in {p.value for p in PolicyName}:
+            out.append(f"unknown policy {self.policy!r}")
+        if self.backend not in {b.value for b in BackendName}:
+            out.append(f"unknown backend {self.backend!r}")
+        for name in ("max_queue_size", "max_batch_size", "kv_block_size", "max_model_len"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} must be at least 1")
+        return out
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    model: str = _opt("", "model directory (for the tokenizer and chat template); empty → embedded default")
+    host: str = _opt("127.0.0.1", "HTTP bind address")
+    port: int = _opt(8000, "HTTP port")
+    run_dir: str = _opt("", "engine run directory (ipc:// sockets)")
+    input_addr: str = _opt("", "engine PULL address; empty → ipc://<run_dir>/input.sock")
+    output_addr: str = _opt("", "engine PUB address; empty → ipc://<run_dir>/output.sock")
+    frontend_id: str = _opt("", "PUB topic of this frontend; empty → random")
+    served_model_name: str = _opt("", "model id reported by /v1/models; empty → derived from the model path")
+    api_key: str = _opt("", "if set, require 'Authorization: Bearer <key>'")
+    max_body_bytes: int = _opt(4 * 1024 * 1024, "request body size limit, bytes")
+    engine_timeout_s: float = _opt(1.0, "no engine heartbeat for this long → engine is down, seconds")
+    ack_timeout_s: float = _opt(10.0, "wait for the engine's submit ack at most this long, seconds")
+    drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for in-flight requests, seconds")
+    log_level: str = _opt("info", "debug | info | warning")
+
+    @property
+    def resolved_input_addr(self) -> str:
+        return self.input_addr or f"ipc://{os.path.join(self.run_dir, 'input.sock')}"
+
+    @property
+    def resolved_output_addr(self) -> str:
+        return self.output_addr or f"ipc://{os.path.join(self.run_dir, 'output.sock')}"
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def _parse(tp: Any, raw: str) -> Any:
+    if tp is bool:
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    return tp(raw)
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """Add one ``--flag`` per field of ``cls``; unset flags stay ``None`` so the
+    environment and defaults can fill them."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if any(flag in a.option_strings for a in parser._actions):
+            continue
+        help_ = f"{f.metadata.get('help', '')} [env {env_name(f.name)}, default {f.default!r}]"
+        parser.add_argument(flag, dest=f.name, type=hints[f.name], default=None, help=help_)
+
+
+def build(cls: type, args: Mapping[str, Any] | argparse.Namespace | None = None,
+          environ: Mapping[str, str] | None = None, **overrides: Any) -> Any:
+    """Build ``cls`` from overrides > args > environment > defaults.
+
+    Raises ``ValueError`` naming the variable when an environment value does not parse.
+    """
+    if isinstance(args, argparse.Namespace):
+        args = vars(args)
+    args = args or {}
+    environ = environ if environ is not None else {}
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in overrides:
+            values[f.name] = overrides[f.name]
+        elif args.get(f.name) is not None:
+            values[f.name] = args[f.name]
+        elif env_name(f.name) in environ:
+            try:
+                values[f.name] = _parse(hints[f.name], environ[env_name(f.name)])
+            except ValueError:
+                raise ValueError(f"{env_name(f.name)}={environ[env_name(f.name)]!r} is not a valid "
+                                 f"{hints[f.name].__name__}") from None
+    return cls(**values)
+
+
+def to_argv(config: Any) -> list[str]:
+    """Flags that rebuild ``config`` exactly (for spawning a child process)."""
+    out: list[str] = []
+    for f in dataclasses.fields(config):
+        out += ["--" + f.name.replace("_", "-"), str(getattr(config, f.name))]
+    return out
