@@ -1,0 +1,80 @@
+"""The backend interface: what the scheduler asks of a model runner.
+
+A backend holds the model and the KV cache of every row (a request that is
+prefilling or decoding). Rows are named by request id. The scheduler owns *which*
+rows run and their positions; the backend owns the tensors.
+
+Lifecycle of a row::
+
+    prefill_chunk(...) × k      KV for prompt positions [0, prompt_len)
+    promote(row)                the row joins the decode batch (_promote_to_decode)
+    decode_step_batched(...) × m
+    release(row)                from any state, idempotent
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+
+class Backend(ABC):
+    """Model runner interface. All methods are called from the tick thread only."""
+
+    device: torch.device
+    vocab_size: int
+    max_model_len: int  # tokens
+
+    @abstractmethod
+    def prefill_chunk(self, row_id: str, token_ids: Sequence[int], start_pos: int,
+                      compute_logits: bool) -> torch.Tensor | None:
+        """Run prompt tokens ``token_ids`` at positions ``[start_pos, start_pos + n)``
+        through the model, storing their KV for ``row_id``.
+
+        The row's KV must already cover exactly ``start_pos`` tokens (earlier chunks
+        or prefix-cache hits). Returns the logits of the last token, shape ``[vocab]``
+        float32, when ``compute_logits``; else ``None``.
+        """
+
+    @abstractmethod
+    def promote(self, row_id: str) -> None:
+        """Move a fully prefilled row into the decode batch (appended last)."""
+
+    @abstractmethod
+    def decode_step_batched(self, row_ids: Sequence[str], token_ids: Sequence[int],
+                            positions: Sequence[int]) -> torch.Tensor:
+        """One forward pass for every decoding row: feed ``token_ids[i]`` at position
+        ``positions[i]`` to row ``row_ids[i]``.
+
+        ``row_ids`` must be exactly the promoted, unreleased rows, in promote order.
+        Returns next-token logits ``[batch, vocab]`` float32, in ``row_ids`` order.
+        """
+
+    @abstractmethod
+    def release(self, row_id: str) -> None:
+        """Drop a row's KV (prefilling or decoding). Unknown rows are ignored."""
+
+    @abstractmethod
+    def kv_length(self) -> int:
+        """Backend-specific KV length in tokens (the HF backend's padded width; the
+        paged backend's longest row). Report it; never size scheduler state from it."""
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """``auto`` → CUDA if available, else MPS, else CPU."""
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` → bfloat16 on CUDA, float32 elsewhere (CPU bf16 matmuls are slow)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

@@ -1,0 +1,399 @@
+"""The engine process: an I/O thread and a tick thread around one scheduler.
+
+I/O thread (never takes the backend lock)
+    PULL: decode frames (bad ones are counted, logged, dropped), validate submits,
+    gate 1 (queue capacity) and the configuration-only hard rejects, publish the
+    ack, then hand the request to the tick thread through an in-process queue.
+    PUB: acks, welcomes, stats, heartbeats, and every frame the tick thread
+    produced (forwarded from an inproc socket, so only this thread touches PUB).
+    Tracks frontend heartbeats and aborts the requests of a silent frontend.
+
+Tick thread (holds the backend lock for the whole tick)
+    drain the inbox → ``scheduler.step()`` → encode one ``StepOutput`` per frontend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from engine_proc.backends.base import Backend, pick_device, pick_dtype
+from engine_proc.block_pool import BlockPool
+from engine_proc.gates import Limits, never_fits
+from engine_proc.policy import make_policy
+from engine_proc.request import Request
+from engine_proc.scheduler import Scheduler
+from shared import codec, config as cfg
+from shared import protocol as p
+from shared.protocol import BROADCAST_TOPIC
+from shared.transport import EngineInbound, EngineOutbound, ipc_path, topic_for
+
+log = logging.getLogger("tickserve.engine")
+
+TICK_OUT_ADDR = "inproc://tick-out"
+
+
+@dataclass
+class _Submit:
+    request: Request
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class _FrontendGone:
+    frontend_id: str
+
+
+def load_model(config: cfg.EngineConfig):
+    """Load the causal LM on the configured device. Returns ``(model, model_dir)``."""
+    from transformers import AutoModelForCausalLM
+
+    from engine_proc.model_loader import resolve_model
+
+    model_dir = resolve_model(config.model)
+    device = pick_device(config.device)
+    dtype = pick_dtype(config.dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    return model.to(device).eval(), model_dir
+
+
+def eos_ids_of(model) -> list[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def build_scheduler(config: cfg.EngineConfig, model, on_left_pending=None) -> Scheduler:
+    """Backend, block pool, policy and scheduler for ``model`` as ``config`` says.
+
+    Raises ``NotImplementedError`` for a prefill mode that is not built yet.
+    """
+    max_len = min(config.max_model_len, getattr(model.config, "max_position_embeddings", config.max_model_len))
+    backend = make_backend(config, model, max_len)
+    pool = BlockPool(config.resolved_num_blocks, config.kv_block_size,
+                     enable_prefix_caching=config.backend == cfg.BackendName.PAGED.value)
+    policy = make_policy(config.policy, prompt_weight=config.fair_prompt_weight,
+                         output_weight=config.fair_output_weight)
+    return Scheduler(config, backend, policy, pool, eos_ids_of(model),
+                     prefix_caching=config.backend == cfg.BackendName.PAGED.value,
+                     on_left_pending=on_left_pending)
+
+
+def make_backend(config: cfg.EngineConfig, model, max_model_len: int) -> Backend:
+    if config.backend == cfg.BackendName.HF.value:
+        from engine_proc.backends.hf import HFBackend
+
+        return HFBackend(model, max_model_len)
+    from engine_proc.backends.paged import PagedBackend
+
+    return PagedBackend(model, max_model_len, config.resolved_num_blocks, config.kv_block_size)
+
+
+class EngineServer:
+    """Runs the two threads over bound sockets until :meth:`stop`."""
+
+    def __init__(self, config: cfg.EngineConfig, scheduler: Scheduler):
+        self.config = config
+        self.scheduler = scheduler
+        self.engine_id = uuid.uuid4().hex[:12]
+        self.limits = scheduler.limits
+        self.ctx = zmq.Context.instance()
+        self.inbound = EngineInbound(self.ctx, config.resolved_input_addr)
+        self.outbound = EngineOutbound(self.ctx, config.resolved_output_addr)
+        self._tick_out_pull = self.ctx.socket(zmq.PULL)
+        self._tick_out_pull.bind(TICK_OUT_ADDR + self.engine_id)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self.backend_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._draining = False
+        # Gate 1 counters: each written by one thread only.
+        self._accepted = 0  # I/O thread
+        self._left_pending = 0  # tick thread
+        self._live_ids: set[str] = set()  # I/O thread's view of unfinished request ids
+        self._frontends: dict[str, float] = {}  # frontend id → last heard (monotonic)
+        self.bad_frames = 0
+        self._stats: dict = scheduler.stats()
+        self.fatal: BaseException | None = None
+        scheduler._on_left_pending = self._count_left_pending
+        self._threads = [threading.Thread(target=self._io_loop, name="engine-io", daemon=True),
+                         threading.Thread(target=self._tick_loop, name="engine-tick", daemon=True)]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        for t in self._threads:
+            t.join(timeout)
+
+    def close(self) -> None:
+        self.inbound.close()
+        self.outbound.close()
+        self._tick_out_pull.close(0)
+        for addr in (self.inbound.addr, self.outbound.addr):
+            path = ipc_path(addr)
+            if path and os.path.exists(path):
+                os.unlink(path)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._accepted - self._left_pending
+
+    def _count_left_pending(self, req: Request) -> None:
+        self._left_pending += 1
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inbound.sock, zmq.POLLIN)
+        poller.register(self._tick_out_pull, zmq.POLLIN)
+        interval = self.config.heartbeat_interval_s
+        next_beat = 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now >= next_beat:
+                    self.outbound.publish(BROADCAST_TOPIC, p.EngineHeartbeat(self.engine_id, time.time()))
+                    self._reap_frontends(now)
+                    next_beat = now + interval
+                events = dict(poller.poll(max(1, int((next_beat - now) * 1000))))
+                if self._tick_out_pull in events:
+                    self._forward_tick_frames()
+                if self.inbound.sock in events:
+                    for _ in range(256):
+                        frame = self.inbound.recv_frame()
+                        if frame is None:
+                            break
+                        self._on_frame(frame)
+        except Exception as exc:  # the engine cannot serve without its I/O thread
+            log.exception("I/O thread failed")
+            self.fatal = exc
+            self.stop()
+
+    def _forward_tick_frames(self) -> None:
+        while True:
+            try:
+                topic, payload = self._tick_out_pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.outbound.publish_frame(topic, payload)
+
+    def _on_frame(self, frame: bytes) -> None:
+        try:
+            msg = codec.decode(frame)
+        except codec.DecodeError as exc:
+            self.bad_frames += 1
+            log.warning("dropped a bad frame (%d so far): %s", self.bad_frames, exc)
+            return
+        fid = getattr(msg, "frontend_id", None)
+        if fid is not None:
+            self._frontends[fid] = time.monotonic()
+        if isinstance(msg, p.Submit):
+            self._on_submit(msg)
+        elif isinstance(msg, p.Abort):
+            self._inbox.put(_Abort(list(msg.request_ids)))
+            self._wake.set()
+        elif isinstance(msg, p.Hello):
+            self.outbound.publish(topic_for(msg.frontend_id), p.Welcome(
+                self.engine_id, self.limits.max_model_len, self.scheduler.eos_token_ids,
+                self.config.max_queue_size, self.config.heartbeat_interval_s))
+        elif isinstance(msg, p.StatsRequest):
+            data = dict(self._stats, num_waiting=self.num_waiting, bad_frames=self.bad_frames,
+                        num_frontends=len(self._frontends), engine_id=self.engine_id)
+            self.outbound.publish(topic_for(msg.frontend_id), p.Stats(msg.nonce, data))
+        elif isinstance(msg, p.Goodbye):
+            self._frontends.pop(msg.frontend_id, None)
+            self._inbox.put(_FrontendGone(msg.frontend_id))
+            self._wake.set()
+        elif isinstance(msg, p.Heartbeat):
+            pass
+        else:
+            self.bad_frames += 1
+            log.warning("dropped a %s sent to the engine", type(msg).__name__)
+
+    def _validate(self, msg: p.Submit) -> p.RejectReason | None:
+        ids = msg.prompt_token_ids
+        if not isinstance(msg.request_id, str) or not msg.request_id:
+            return p.RejectReason(p.RejectCode.INVALID, "request_id must be a non-empty string")
+        if not ids:
+            return p.RejectReason(p.RejectCode.INVALID, "the prompt is empty")
+        vocab = self.limits.vocab_size
+        if not all(type(t) is int and 0 <= t < vocab for t in ids):
+            return p.RejectReason(p.RejectCode.INVALID, f"prompt token ids must be integers in [0, {vocab})")
+        try:
+            problem = msg.params.validate()
+        except TypeError:
+            problem = "sampling parameters have the wrong types"
+        if problem:
+            return p.RejectReason(p.RejectCode.INVALID, problem)
+        if msg.request_id in self._live_ids:
+            return p.RejectReason(p.RejectCode.INVALID, f"duplicate request id {msg.request_id!r}")
+        reason = never_fits(self.limits, len(ids), msg.params.max_tokens)
+        if reason is not None:
+            return reason
+        if self._draining:
+            return p.RejectReason(p.RejectCode.SHUTTING_DOWN, "the engine is shutting down")
+        if self.num_waiting >= self.config.max_queue_size:
+            return p.RejectReason(p.RejectCode.QUEUE_FULL,
+                                  f"the queue is full ({self.config.max_queue_size} requests waiting)",
+                                  1, 0)
+        return None
+
+    def _on_submit(self, msg: p.Submit) -> None:
+        topic = topic_for(msg.frontend_id)
+        reason = self._validate(msg)
+        if reason is not None:
+            self.outbound.publish(topic, p.Ack(msg.request_id, False, reason))
+            return
+        self._accepted += 1
+        self._live_ids.add(msg.request_id)
+        self.outbound.publish(topic, p.Ack(msg.request_id, True))
+        req = Request(request_id=msg.request_id, frontend_id=msg.frontend_id,
+                      prompt_token_ids=list(msg.prompt_token_ids), params=msg.params,
+                      session_id=msg.session_id or "", priority=int(msg.priority or 0))
+        self._inbox.put(_Submit(req))
+        self._wake.set()
+
+    def _reap_frontends(self, now: float) -> None:
+        timeout = self.config.frontend_timeout_s
+        for fid, seen in list(self._frontends.items()):
+            if now - seen > timeout:
+                log.warning("frontend %s silent for %.1fs: aborting its requests", fid, now - seen)
+                del self._frontends[fid]
+                self._inbox.put(_FrontendGone(fid))
+                self._wake.set()
+
+    # ------------------------------------------------------------------ tick thread
+
+    def _tick_loop(self) -> None:
+        out = self.ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 0)
+        out.connect(TICK_OUT_ADDR + self.engine_id)
+        try:
+            while not self._stop.is_set():
+                with self.backend_lock:
+                    self._drain_inbox()
+                    if self.scheduler.has_work():
+                        outputs = self.scheduler.step()
+                    else:
+                        outputs = self.scheduler.drain_outputs()
+                    self._stats = self.scheduler.stats()
+                self._send_outputs(out, outputs)
+                if not self.scheduler.has_work():
+                    self._wake.wait(0.1)
+                    self._wake.clear()
+        except Exception as exc:
+            log.exception("tick failed; failing every request and exiting")
+            self.fatal = exc
+            self._fail_all(out, f"engine error: {exc}")
+            self.stop()
+        finally:
+            out.close(0)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Submit):
+                self.scheduler.add_request(item.request)
+            elif isinstance(item, _Abort):
+                for rid in item.request_ids:
+                    self.scheduler.abort_request(rid)
+            elif isinstance(item, _FrontendGone):
+                self.scheduler.abort_frontend(item.frontend_id)
+
+    def _send_outputs(self, sock: zmq.Socket, outputs: list[tuple[str, p.RequestOutput]]) -> None:
+        if not outputs:
+            return
+        by_frontend: dict[str, list[p.RequestOutput]] = {}
+        for fid, output in outputs:
+            by_frontend.setdefault(fid, []).append(output)
+            if output.finish_reason is not None:
+                self._live_ids.discard(output.request_id)
+        for fid, items in by_frontend.items():
+            sock.send_multipart([topic_for(fid), codec.encode(p.StepOutput(items))])
+
+    def _fail_all(self, sock: zmq.Socket, error: str) -> None:
+        outputs = []
+        for req in list(self.scheduler._requests.values()):
+            outputs.append((req.frontend_id, p.RequestOutput(req.request_id, [], p.FinishReason.ERROR,
+                                                              error=error)))
+        try:
+            self._send_outputs(sock, outputs)
+        except Exception:  # best effort on the way down
+            pass
+
+
+def configure_torch(config: cfg.EngineConfig) -> None:
+    threads = config.torch_threads or max(1, (os.cpu_count() or 2) - 1)
+    torch.set_num_threads(threads)
+    torch.manual_seed(config.seed)
+
+
+def run_engine(config: cfg.EngineConfig) -> int:
+    """Load the model, bind the sockets and serve until SIGTERM/SIGINT. Returns the exit code."""
+    problems = config.problems()
+    if problems:
+        log.error("invalid engine configuration: %s", "; ".join(problems))
+        return 2
+    if not config.run_dir and not (config.input_addr and config.output_addr):
+        config = cfg.build(type(config), vars(config) | {"run_dir": tempfile.mkdtemp(prefix="tickserve-")})
+    configure_torch(config)
+    model, model_dir = load_model(config)
+    scheduler = build_scheduler(config, model)
+    server = EngineServer(config, scheduler)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    server.start()
+    log.info("engine %s serving %s on %s (device %s, backend %s, policy %s, prefill %s)",
+             server.engine_id, model_dir, config.resolved_input_addr, scheduler.backend.device,
+             config.backend, config.policy, scheduler.prefill_mode.value)
+    print(f"tickserve engine ready input={config.resolved_input_addr} "
+          f"output={config.resolved_output_addr}", flush=True)
+    while not server._stop.is_set():
+        server._stop.wait(0.5)
+    server.join(timeout=5)
+    server.close()
+    return 1 if server.fatal else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tickserve engine", description="Run the engine process alone.")
+    cfg.add_arguments(parser, cfg.EngineConfig)
+    args = parser.parse_args(argv)
+    config = cfg.build(cfg.EngineConfig, args, os.environ)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return run_engine(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""The scheduler: three queues and the ordered tick (see the scheduler card).
+
+Every request is in exactly one of::
+
+    _pending     waiting, ordered by the policy (FCFS or Fair/VTC)   ≤ MAX_QUEUE_SIZE
+    _prefilling  prompt being computed, one chunk per tick           ┐ together
+    _active      the decode batch, one token per row per tick        ┘ ≤ MAX_BATCH_SIZE
+
+One tick, in this order (the worker holds the backend lock throughout)::
+
+    ① _admit_pending        gates 2 and 3; admitted → _prefilling (or, monolithic,
+                             prefilled at once and promoted)
+    ② advance_prefill_chunk one PREFILL_CHUNK_SIZE chunk of the head of _prefilling;
+                             the final chunk samples the first token and promotes
+    ③ evict_finished        rows that ended (EOS, stop id, max_tokens) release
+                             their KV, blocks and reservation
+    ④ decode_step           one batched forward, one new token per row
+
+Admit and prefill run before evict so that a row whose *first* token ends it is
+still seen by ③ and its token streamed; do not reorder without re-deriving that.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from engine_proc.backends.base import Backend
+from engine_proc.block_pool import BlockPool
+from engine_proc.gates import Limits, never_fits
+from engine_proc.policy import SchedulingPolicy
+from engine_proc.request import Request, RequestStatus
+from engine_proc.sampler import RowSamplingState, Sampler
+from shared.config import EngineConfig, PrefillMode
+from shared.protocol import RejectCode, RejectReason, RequestOutput, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+class AdmitVerdict(enum.Enum):
+    ADMIT = "admit"
+    SOFT_HOLD = "soft_hold"  # stays at the head of _pending; re-checked next tick
+    HARD_REJECT = "hard_reject"  # can never fit
+
+
+@dataclass(frozen=True)
+class AdmitDecision:
+    verdict: AdmitVerdict
+    num_cached_tokens: int = 0  # prefix-cache hit (tokens)
+    reason: RejectReason | None = None  # which gate held or rejected
+
+
+class _OutputBuffer:
+    """Per-tick accumulation of each request's new tokens and finish."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, dict] = {}
+
+    def token(self, req: Request, token_id: int, logprob: TokenLogprob | None) -> None:
+        item = self._item(req)
+        item["token_ids"].append(token_id)
+        if logprob is not None:
+            item.setdefault("logprobs", []).append(logprob)
+
+    def finish(self, req: Request) -> None:
+        self._item(req)["finish_reason"] = req.status.finish_reason
+
+    def _item(self, req: Request) -> dict:
+        item = self.items.get(req.request_id)
+        if item is None:
+            item = self.items[req.request_id] = {"req": req, "token_ids": []}
+        return item
+
+    def drain(self) -> list[tuple[str, RequestOutput]]:
+        """``(frontend_id, output)`` pairs, in the order requests first appeared."""
+        out = []
+        for item in self.items.values():
+            req: Request = item["req"]
+            out.append((req.frontend_id, RequestOutput(
+                request_id=req.request_id,
+                token_ids=item["token_ids"],
+                finish_reason=item.get("finish_reason"),
+                logprobs=item.get("logprobs"),
+                num_prompt_tokens=req.prompt_len,
+                num_cached_tokens=req.num_cached_tokens,
+                error=req.error if item.get("finish_reason") is not None else None,
+            )))
+        self.items = {}
+        return out
+
+
+class Scheduler:
+    """Owns the queues, the gates and the reservation accounting; drives a backend.
+
+    Not thread-safe: only the tick thread calls it (the engine's I/O thread talks to
+    it through queues).
+    """
+
+    def __init__(self, config: EngineConfig, backend: Backend, policy: SchedulingPolicy,
+                 block_pool: BlockPool, eos_token_ids: list[int], sampler: Sampler | None = None,
+                 prefix_caching: bool = False,
+                 on_left_pending: Callable[[Request], None] | None = None):
+        mode = config.resolved_prefill_mode
+        if mode not in (PrefillMode.MONOLITHIC, PrefillMode.CHUNKED):
+            raise NotImplementedError(f"PREFILL_MODE={mode.value} is not implemented yet "
+                                      "(monolithic and chunked are)")
+        self.config = config
+        self.prefill_mode = mode
+        self.chunk_size = config.prefill_chunk_size if mode is PrefillMode.CHUNKED else 0
+        self.backend = backend
+        self.policy = policy
+        self.block_pool = block_pool
+        self.sampler = sampler or Sampler()
+        self.eos_token_ids = list(eos_token_ids)
+        self.prefix_caching = prefix_caching
+        self.max_batch_size = config.max_batch_size
+        self.kv_budget_tokens = config.resolved_kv_budget_tokens
+        self.limits = Limits.from_config(config, backend.max_model_len, backend.vocab_size)
+        self._on_left_pending = on_left_pending or (lambda req: None)
+
+        self._pending = policy  # ordered by the policy; see SchedulingPolicy
+        self._prefilling: collections.deque[Request] = collections.deque()
+        self._active: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._sampling: dict[str, RowSamplingState] = {}
+        self._active_kv_reserved = 0  # Σ (prompt_len + max_tokens) over admitted rows
+        self._arrival_seq = 0
+        self._out = _OutputBuffer()
+
+        self.kv_admit_blocked = 0
+        self.num_generated_tokens = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.num_rejected = 0
+        self.num_ticks = 0
+
+    # ------------------------------------------------------------------ entry points
+
+    def add_request(self, req: Request) -> None:
+        """Put an accepted request into ``_pending``."""
+        if req.request_id in self._requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        req.arrival_seq = self._arrival_seq
+        self._arrival_seq += 1
+        req.status = RequestStatus.WAITING
+        self._requests[req.request_id] = req
+        self.policy.on_request_arrived(req)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort from whichever queue holds the request; False if unknown or done."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def abort_frontend(self, frontend_id: str) -> int:
+        """Abort every request of a departed frontend; returns how many."""
+        doomed = [r.request_id for r in self._requests.values() if r.frontend_id == frontend_id]
+        for rid in doomed:
+            self.abort_request(rid)
+        return len(doomed)
+
+    def has_work(self) -> bool:
+        return bool(self._requests)
+
+    def step(self) -> list[tuple[str, RequestOutput]]:
+        """One tick: the four phases in the card's order. Returns what to stream,
+        as ``(frontend_id, RequestOutput)`` pairs."""
+        self.num_ticks += 1
+        self._admit_pending()
+        self.advance_prefill_chunk()
+        self.evict_finished()
+        self.decode_step()
+        return self.drain_outputs()
+
+    def drain_outputs(self) -> list[tuple[str, RequestOutput]]:
+        """Outputs produced since the last drain (aborts between ticks included)."""
+        return self._out.drain()
+
+    # ------------------------------------------------------------------ ① admit
+
+    def check_gates(self, req: Request) -> AdmitDecision:
+        """Gates 2 (active-KV budget, tokens) and 3 (block pool, blocks) for ``req``.
+
+        Gate 2 adds ``prompt_len + max_tokens`` to the running reservation; gate 3
+        needs blocks for the whole reservation minus the prefix-cache hit, so a row
+        admitted can always decode to ``max_tokens`` without preemption.
+        """
+        need = req.max_total_tokens
+        reason = never_fits(self.limits, req.prompt_len, req.params.max_tokens)
+        if reason is not None:
+            return AdmitDecision(AdmitVerdict.HARD_REJECT, reason=reason)
+        pool = self.block_pool
+        if self._active_kv_reserved + need > self.kv_budget_tokens:
+            return AdmitDecision(AdmitVerdict.SOFT_HOLD, reason=RejectReason(
+                RejectCode.KV_BUDGET, "active-KV budget is full", need,
+                self.kv_budget_tokens - self._active_kv_reserved))
+        match = pool.match_prefix(req.prompt_token_ids) if self.prefix_caching else None
+        cached = match.num_tokens if match else 0
+        # Hit blocks that sit in the free queue leave it when reused: count them too.
+        revived = sum(1 for b in match.block_ids if pool.ref_count(b) == 0) if match else 0
+        if not pool.can_allocate(pool.blocks_needed(need, cached) + revived):
+            return AdmitDecision(AdmitVerdict.SOFT_HOLD, num_cached_tokens=cached, reason=RejectReason(
+                RejectCode.BLOCK_POOL, "not enough free KV blocks", self.limits.blocks_for(need),
+                pool.num_free_blocks))
+        return AdmitDecision(AdmitVerdict.ADMIT, num_cached_tokens=cached)
+
+    def _admit_pending(self) -> None:
+        while len(self._pending) and len(self._active) + len(self._prefilling) < self.max_batch_size:
+            req = self._pending.peek_next()
+            decision = self.check_gates(req)
+            if decision.verdict is AdmitVerdict.SOFT_HOLD:
+                self.kv_admit_blocked += 1
+                return  # head keeps its place: order and fairness hold
+            self._pending.pick_next()
+            self._on_left_pending(req)
+            if decision.verdict is AdmitVerdict.HARD_REJECT:
+                req.error = decision.reason.message
+                self.num_rejected += 1
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                continue
+            self._admit(req)
+
+    def _admit(self, req: Request) -> None:
+        cached_ids = req.prompt_token_ids if self.prefix_caching else []
+        self.block_pool.allocate(req.request_id, cached_ids, req.max_total_tokens)
+        req.num_cached_tokens = self.block_pool.num_cached_tokens(req.request_id) if self.prefix_caching else 0
+        req.num_computed_tokens = req.num_cached_tokens
+        req.kv_reserved = req.max_total_tokens
+        self._active_kv_reserved += req.kv_reserved
+        self._sampling[req.request_id] = RowSamplingState(
+            req.params, req.prompt_token_ids, self.eos_token_ids, self.backend.device)
+        req.status = RequestStatus.PREFILLING
+        self.policy.on_request_admitted(req)
+        self._prefilling.append(req)
+        if self.prefill_mode is PrefillMode.MONOLITHIC:
+            self._prefilling.remove(req)
+            self._run_prefill(req, req.prompt_len - req.num_computed_tokens)
+
+    # ------------------------------------------------------------------ ② prefill
+
+    def advance_prefill_chunk(self) -> None:
+        """Feed one chunk of the oldest prefilling row; promote it on the final chunk."""
+        if not self._prefilling:
+            return
+        req = self._prefilling[0]
+        if self._run_prefill(req, self.chunk_size):
+            self._prefilling.popleft()
+
+    def _run_prefill(self, req: Request, max_tokens: int) -> bool:
+        """Compute up to ``max_tokens`` prompt tokens of ``req``; True once complete."""
+        start = req.num_computed_tokens
+        end = min(req.prompt_len, start + max_tokens)
+        last = end == req.prompt_len
+        logits = self.backend.prefill_chunk(req.request_id, req.prompt_token_ids[start:end], start, last)
+        req.num_computed_tokens = end
+        self.policy.on_tokens_processed(req, end - start, 0)
+        if not last:
+            return False
+        if self.prefix_caching:
+            self.block_pool.commit_full_blocks(req.request_id, req.prompt_token_ids)
+        sample = self.sampler(logits.unsqueeze(0), [self._sampling[req.request_id]])
+        self._promote_to_decode(req)
+        self._append_token(req, sample.token_ids[0], sample.logprobs[0])
+        return True
+
+    def _promote_to_decode(self, req: Request) -> None:
+        """The one door from prefill into the decode batch (the disaggregation seam)."""
+        self.backend.promote(req.request_id)
+        req.status = RequestStatus.RUNNING
+        self._active.append(req)
+
+    # ------------------------------------------------------------------ ③ evict
+
+    def evict_finished(self) -> None:
+        for req in [r for r in self._active if r.status.is_finished]:
+            self._release(req)
+
+    # ------------------------------------------------------------------ ④ decode
+
+    def decode_step(self) -> None:
+        rows = self._active
+        if not rows:
+            return
+        logits = self.backend.decode_step_batched(
+            [r.request_id for r in rows],
+            [r.output_token_ids[-1] for r in rows],
+            [r.num_tokens - 1 for r in rows],
+        )
+        states = [self._sampling[r.request_id] for r in rows]
+        sample = self.sampler(logits, states)
+        for i, req in enumerate(rows):
+            req.num_computed_tokens += 1
+            self.policy.on_tokens_processed(req, 0, 1)
+            self._append_token(req, sample.token_ids[i], sample.logprobs[i])
+
+    # ------------------------------------------------------------------ tokens and exits
+
+    def _append_token(self, req: Request, token_id: int, logprob: TokenLogprob | None) -> None:
+        req.output_token_ids.append(token_id)
+        self._sampling[req.request_id].append(token_id)
+        self.num_generated_tokens += 1
+        self._out.token(req, token_id, logprob)
+        params = req.params
+        n = req.num_output_tokens
+        if n >= params.min_tokens and (
+                token_id in params.stop_token_ids
+                or (not params.ignore_eos and token_id in self.eos_token_ids)):
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif n >= params.max_tokens or req.num_tokens >= self.backend.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+        if req.status.is_finished:
+            self._out.finish(req)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """End ``req`` with ``status`` from whichever queue holds it."""
+        if req.status is RequestStatus.WAITING:
+            self._pending.remove(req)
+            self._on_left_pending(req)
+        if not req.status.is_finished:
+            req.status = status
+            self._out.finish(req)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        """The single release path: queues, backend row, blocks, reservation, policy."""
+        if req.status is RequestStatus.FINISHED_ABORTED:
+            self.num_aborted += 1
+        else:
+            self.num_finished += 1
+        if req in self._active:
+            self._active.remove(req)
+        elif req in self._prefilling:
+            self._prefilling.remove(req)
+        self.backend.release(req.request_id)
+        self.block_pool.free(req.request_id)
+        self._active_kv_reserved -= req.kv_reserved
+        req.kv_reserved = 0
+        self._sampling.pop(req.request_id, None)
+        self.policy.on_request_finished(req)
+        del self._requests[req.request_id]
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def active_kv_reserved(self) -> int:
+        return self._active_kv_reserved
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the card's invariants do not hold."""
+        pending = list(self._pending)
+        queues = pending + list(self._prefilling) + self._active
+        assert len(queues) == len({id(r) for r in queues}), "a request is in two queues"
+        finished_active = [r for r in self._active if r.status.is_finished]
+        assert {r.request_id for r in queues} == set(self._requests), "queues and index disagree"
+        assert all(r.status is RequestStatus.WAITING for r in pending)
+        assert all(r.status is RequestStatus.PREFILLING for r in self._prefilling)
+        assert all(r.status is RequestStatus.RUNNING for r in self._active if r not in finished_active)
+        admitted = list(self._prefilling) + self._active
+        assert self._active_kv_reserved == sum(r.kv_reserved for r in admitted), "reservation drift"
+        assert all(r.kv_reserved == r.max_total_tokens for r in admitted)
+        assert all(r.kv_reserved == 0 for r in pending)
+        assert len(admitted) <= self.max_batch_size
+        assert self.block_pool.num_used_blocks <= sum(
+            self.block_pool.blocks_needed(r.max_total_tokens) for r in admitted), "leaked blocks"
+        self.block_pool.check_invariants()
+
+    def stats(self) -> dict:
+        pool = self.block_pool
+        return {
+            "prefill_mode": self.prefill_mode.value,
+            "num_pending": len(self._pending),
+            "num_prefilling": len(self._prefilling),
+            "num_active": len(self._active),
+            "batch_size": len(self._active),
+            "max_batch_size": self.max_batch_size,
+            "active_kv_reserved": self._active_kv_reserved,
+            "kv_budget_tokens": self.kv_budget_tokens,
+            "kv_admit_blocked": self.kv_admit_blocked,
+            "kv_pressure": pool.usage,
+            "kv_length": self.backend.kv_length(),
+            "blocks": pool.stats(),
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_finished": self.num_finished,
+            "num_aborted": self.num_aborted,
+            "num_rejected": self.num_rejected,
+            "num_ticks": self.num_ticks,
+            **self.policy.snapshot(),
+        }

@@ -1,0 +1,5 @@
+import sys
+
+from frontend.server import main
+
+sys.exit(main())

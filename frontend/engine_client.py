@@ -1,0 +1,266 @@
+"""The frontend's connection to the engine, bridged into asyncio.
+
+A receiver thread owns the SUB side: it performs the ready handshake (``Hello`` until
+``Welcome`` arrives on our topic, against ZeroMQ's slow-joiner problem), dispatches
+acks and token outputs to per-request asyncio queues, watches the engine's
+heartbeats, and sends ours. ``submit`` returns only after the engine's ack, so the
+HTTP layer can answer 429 before any SSE byte.
+
+Failure handling: a sequence gap on our topic, or no engine heartbeat for
+``engine_timeout_s``, fails every in-flight request at once with an error (never a
+silent loss, never a hang); when heartbeats return from a (restarted) engine, the
+handshake runs again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import zmq
+
+from shared import protocol as p
+from shared.config import FrontendConfig
+from shared.protocol import BROADCAST_TOPIC
+from shared.transport import ClientChannel, SequenceGap, topic_for
+
+log = logging.getLogger("tickserve.frontend")
+
+
+class EngineUnavailable(RuntimeError):
+    """No engine is up (or it stopped answering)."""
+
+
+class Rejected(Exception):
+    """The engine refused a submit; ``reason`` says which gate and why."""
+
+    def __init__(self, reason: p.RejectReason):
+        super().__init__(reason.message)
+        self.reason = reason
+
+
+@dataclass
+class RequestStream:
+    """Outputs of one accepted request, in order. The last has ``finish_reason`` set."""
+
+    request_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+    async def __aiter__(self):
+        while not self.finished:
+            out: p.RequestOutput = await self.queue.get()
+            if out.finish_reason is not None:
+                self.finished = True
+            yield out
+
+
+class EngineClient:
+    """Thread-safe facade used from the event loop."""
+
+    def __init__(self, config: FrontendConfig, ctx: zmq.Context | None = None):
+        self.config = config
+        self.frontend_id = config.frontend_id or f"fe-{uuid.uuid4().hex[:12]}"
+        self.topic = topic_for(self.frontend_id)
+        self.ctx = ctx or zmq.Context.instance()
+        self.channel = ClientChannel(self.ctx, config.resolved_input_addr, config.resolved_output_addr,
+                                     self.topic, BROADCAST_TOPIC)
+        self._send_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._acks: dict[str, asyncio.Future] = {}
+        self._streams: dict[str, RequestStream] = {}
+        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._nonces = itertools.count(1)
+        self._ids = itertools.count()
+        self.welcome: p.Welcome | None = None
+        self.engine_id: str | None = None
+        self._last_heartbeat = 0.0
+        self._up = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-client", daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread.start()
+
+    async def wait_ready(self, timeout: float) -> bool:
+        return await asyncio.to_thread(self._up.wait, timeout)
+
+    @property
+    def is_up(self) -> bool:
+        return self._up.is_set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        try:
+            self._send(p.Goodbye(self.frontend_id), timeout_ms=100)
+        except Exception:
+            pass
+        self.channel.close()
+
+    # ------------------------------------------------------------------ requests
+
+    def new_request_id(self) -> str:
+        return f"{self.frontend_id}-{next(self._ids)}"
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: p.SamplingParams,
+                     session_id: str | None = None, priority: int = 0) -> RequestStream:
+        """Send a request and wait for the engine's ack.
+
+        Raises :class:`Rejected` (with the engine's structured reason) or
+        :class:`EngineUnavailable` (engine down, or no ack within ``ack_timeout_s``).
+        """
+        if not self.is_up:
+            raise EngineUnavailable("the engine is not available")
+        loop = asyncio.get_running_loop()
+        ack_future = loop.create_future()
+        stream = RequestStream(request_id)
+        self._acks[request_id] = ack_future
+        self._streams[request_id] = stream  # registered before the submit: no output is lost
+        try:
+            self._send(p.Submit(request_id, self.frontend_id, prompt_token_ids, params, session_id, priority))
+            ack: p.Ack = await asyncio.wait_for(ack_future, self.config.ack_timeout_s)
+        except (asyncio.TimeoutError, zmq.ZMQError) as exc:
+            self._streams.pop(request_id, None)
+            self.abort([request_id])
+            raise EngineUnavailable(f"the engine did not acknowledge the request ({type(exc).__name__})") from None
+        finally:
+            self._acks.pop(request_id, None)
+        if not ack.accepted:
+            self._streams.pop(request_id, None)
+            raise Rejected(ack.reason or p.RejectReason(p.RejectCode.INVALID, "rejected"))
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Tell the engine to drop these requests (idempotent, never raises)."""
+        for rid in request_ids:
+            self._streams.pop(rid, None)
+        try:
+            self._send(p.Abort(self.frontend_id, list(request_ids)), timeout_ms=200)
+        except Exception:
+            log.debug("abort of %s not delivered", request_ids)
+
+    async def stats(self, timeout: float = 2.0) -> dict:
+        if not self.is_up:
+            raise EngineUnavailable("the engine is not available")
+        nonce = next(self._nonces)
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters[nonce] = fut
+        try:
+            self._send(p.StatsRequest(self.frontend_id, nonce))
+            return await asyncio.wait_for(fut, timeout)
+        except (asyncio.TimeoutError, zmq.ZMQError):
+            raise EngineUnavailable("the engine did not answer the stats request") from None
+        finally:
+            self._stats_waiters.pop(nonce, None)
+
+    def _send(self, msg, timeout_ms: int = 1000) -> None:
+        with self._send_lock:
+            self.channel.send(msg, timeout_ms)
+
+    # ------------------------------------------------------------------ receiver thread
+
+    def _run(self) -> None:
+        next_hello = 0.0
+        next_beat = 0.0
+        interval = 0.25
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                if not self._up.is_set() and now >= next_hello:
+                    self._send(p.Hello(self.frontend_id), timeout_ms=0)
+                    next_hello = now + 0.1
+                elif self._up.is_set() and now >= next_beat:
+                    self._send(p.Heartbeat(self.frontend_id), timeout_ms=0)
+                    next_beat = now + interval
+            except zmq.ZMQError:
+                pass  # engine not reachable yet; keep trying
+            if self._up.is_set() and now - self._last_heartbeat > self.config.engine_timeout_s:
+                self._engine_down("no heartbeat from the engine")
+            if not self.channel.poll(50):
+                continue
+            for _ in range(1024):
+                try:
+                    received = self.channel.recv()
+                except SequenceGap as gap:
+                    if gap.topic == self.topic:
+                        self._call(self._fail_all, f"lost messages from the engine ({gap})")
+                    continue
+                except Exception as exc:  # malformed frame: count and drop
+                    log.warning("dropped a bad frame from the engine: %s", exc)
+                    continue
+                if received is None:
+                    break
+                self._on_message(received.msg)
+
+    def _on_message(self, msg) -> None:
+        """Receiver thread: liveness here; everything touching requests on the loop."""
+        if isinstance(msg, p.EngineHeartbeat):
+            if self.engine_id is not None and msg.engine_id != self.engine_id and self._up.is_set():
+                self._engine_down("the engine restarted")
+            self._last_heartbeat = time.monotonic()
+        elif isinstance(msg, p.Welcome):
+            if not self._up.is_set():
+                self.welcome = msg
+                self.engine_id = msg.engine_id
+                self._last_heartbeat = time.monotonic()
+                self._up.set()
+                log.info("connected to engine %s", msg.engine_id)
+        else:
+            self._call(self._dispatch, msg)
+
+    def _dispatch(self, msg) -> None:
+        """Event loop thread: owns _acks, _streams and _stats_waiters."""
+        if isinstance(msg, p.Ack):
+            fut = self._acks.get(msg.request_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, p.StepOutput):
+            for out in msg.outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                if out.finish_reason is not None:
+                    del self._streams[out.request_id]
+                stream.queue.put_nowait(out)
+        elif isinstance(msg, p.Stats):
+            fut = self._stats_waiters.get(msg.nonce)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.data)
+
+    def _call(self, fn, *args) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # loop closed meanwhile
+                pass
+
+    def _engine_down(self, why: str) -> None:
+        log.error("engine unavailable: %s", why)
+        self._up.clear()
+        self.engine_id = None
+        self.channel.reset_sequence()
+        self._call(self._fail_all, f"engine unavailable: {why}")
+
+    def _fail_all(self, error: str) -> None:
+        """Event loop thread: end every in-flight request with an error, now."""
+        streams, self._streams = self._streams, {}
+        for rid, stream in streams.items():
+            stream.queue.put_nowait(p.RequestOutput(rid, [], p.FinishReason.ERROR, error=error))
+        for rid, fut in list(self._acks.items()):
+            if not fut.done():
+                fut.set_result(p.Ack(rid, False, p.RejectReason(p.RejectCode.SHUTTING_DOWN, error)))
+        if streams:
+            self.abort(list(streams))

@@ -1,0 +1,146 @@
+"""The ``tickserve`` command.
+
+    tickserve serve     one engine + one frontend, supervised (engine restarted with backoff)
+    tickserve engine    the engine alone: binds its sockets and runs the tick loop
+    tickserve frontend  one HTTP frontend against a running engine (scale these out)
+
+``serve`` runs each part as a child process (``python -m engine_proc`` /
+``python -m frontend``) so that one can die without taking the other down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from shared import config as cfg
+
+log = logging.getLogger("tickserve.serve")
+
+SERVE_SHARED = ("model", "run_dir", "input_addr", "output_addr", "log_level")
+
+
+class Supervisor:
+    """Starts the engine and the frontend, restarts the engine when it dies
+    (exponential backoff, reset after a stable minute), and on SIGTERM/SIGINT stops
+    the frontend first (it drains), then the engine; removes the run directory."""
+
+    def __init__(self, engine: cfg.EngineConfig, frontend: cfg.FrontendConfig, own_run_dir: bool):
+        self.engine_config = engine
+        self.frontend_config = frontend
+        self.own_run_dir = own_run_dir
+        self.engine: subprocess.Popen | None = None
+        self.frontend: subprocess.Popen | None = None
+        self.stopping = False
+        self.backoff = 0.5
+        self.engine_started = 0.0
+
+    def _spawn(self, module: str, config) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", module, *cfg.to_argv(config)])
+
+    def start_engine(self) -> None:
+        self.engine = self._spawn("engine_proc", self.engine_config)
+        self.engine_started = time.monotonic()
+        log.info("engine started (pid %d)", self.engine.pid)
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        self.start_engine()
+        self.frontend = self._spawn("frontend", self.frontend_config)
+        code = 0
+        while not self.stopping:
+            time.sleep(0.1)
+            if self.engine.poll() is not None and not self.stopping:
+                if time.monotonic() - self.engine_started > 60:
+                    self.backoff = 0.5
+                log.error("engine exited with %s; restarting in %.1fs", self.engine.returncode, self.backoff)
+                deadline = time.monotonic() + self.backoff
+                while time.monotonic() < deadline and not self.stopping:
+                    time.sleep(0.05)
+                self.backoff = min(self.backoff * 2, 10.0)
+                if not self.stopping:
+                    self.start_engine()
+            if self.frontend.poll() is not None and not self.stopping:
+                log.error("frontend exited with %s; shutting down", self.frontend.returncode)
+                code = self.frontend.returncode or 1
+                break
+        self.shutdown()
+        return code
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stopping = True
+
+    def shutdown(self) -> None:
+        drain = self.frontend_config.drain_timeout_s
+        for proc, timeout in ((self.frontend, drain + 5), (self.engine, 10)):
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        if self.own_run_dir:
+            shutil.rmtree(self.engine_config.run_dir, ignore_errors=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from engine_proc.model_loader import resolve_model
+
+    environ = dict(os.environ)
+    engine = cfg.build(cfg.EngineConfig, args, environ)
+    problems = engine.problems()
+    if problems:
+        print("tickserve: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    model_dir = str(resolve_model(engine.model))  # convert once, before either child starts
+    own = not (engine.run_dir or (engine.input_addr and engine.output_addr))
+    run_dir = engine.run_dir or tempfile.mkdtemp(prefix="tickserve-")
+    engine = cfg.build(cfg.EngineConfig, args, environ, model=model_dir, run_dir=run_dir)
+    frontend = cfg.build(cfg.FrontendConfig, args, environ, model=model_dir, run_dir=run_dir,
+                         served_model_name=args.served_model_name or _display(args.model or environ.get(
+                             cfg.env_name("model"), "")))
+    print(f"tickserve: serving {frontend.served_model_name} on http://{frontend.host}:{frontend.port}",
+          flush=True)
+    return Supervisor(engine, frontend, own).run()
+
+
+def _display(model: str) -> str:
+    from engine_proc.model_loader import model_display_name
+
+    return model_display_name(model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tickserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="engine + frontend, supervised")
+    cfg.add_arguments(serve, cfg.EngineConfig)
+    cfg.add_arguments(serve, cfg.FrontendConfig, skip=SERVE_SHARED)
+    sub.add_parser("engine", help="the engine process alone", add_help=False)
+    sub.add_parser("frontend", help="one HTTP frontend", add_help=False)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "engine":
+        from engine_proc.engine import main as engine_main
+        return engine_main(argv[1:])
+    if argv and argv[0] == "frontend":
+        from frontend.server import main as frontend_main
+        return frontend_main(argv[1:])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=(args.log_level or "info").upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return cmd_serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

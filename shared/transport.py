@@ -1,0 +1,172 @@
+"""The engine ⇄ frontend transport, behind one small interface.
+
+Two channels, whatever the carrier:
+
+* inbound to the engine: many writers (frontends, client scripts) → one reader.
+  ZeroMQ PUSH (connect) → PULL (bind).
+* outbound from the engine: one writer → many readers, each reading its own topic
+  (its frontend id) and the broadcast topic. ZeroMQ PUB (bind) → SUB (connect).
+
+Outbound frames are ``[topic, seq (8 bytes, big endian), payload]``; ``seq`` counts
+per topic from 0, so a reader detects a lost frame (PUB drops when a subscriber's
+high-water mark is full) as a gap and fails the affected requests loudly.
+Addresses are ``ipc://path`` (default) or ``tcp://host:port``: same code path.
+
+Sockets are not thread-safe: each object here is used from one thread.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from shared import codec
+
+# High-water marks, in messages. The engine's PUB must never block the tick loop:
+# it drops instead, which the per-topic sequence numbers turn into a loud failure.
+PUB_SNDHWM = 100_000
+SUB_RCVHWM = 100_000
+PUSH_SNDHWM = 10_000
+PULL_RCVHWM = 100_000
+
+
+def topic_for(frontend_id: str) -> bytes:
+    """PUB topic of a frontend: its id plus a terminator, so no id is a prefix of another's."""
+    return frontend_id.encode() + b"\x00"
+
+
+class SequenceGap(Exception):
+    """Frames were lost on a topic: ``expected`` was due, ``got`` arrived."""
+
+    def __init__(self, topic: bytes, expected: int, got: int):
+        super().__init__(f"topic {topic!r}: expected seq {expected}, got {got}")
+        self.topic, self.expected, self.got = topic, expected, got
+
+
+def ipc_path(addr: str) -> str | None:
+    return addr[len("ipc://"):] if addr.startswith("ipc://") else None
+
+
+def _bind(sock: zmq.Socket, addr: str) -> None:
+    path = ipc_path(addr)
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    sock.bind(addr)
+
+
+class EngineInbound:
+    """Engine side of the inbound channel (PULL, bound)."""
+
+    def __init__(self, ctx: zmq.Context, addr: str):
+        self.sock = ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.RCVHWM, PULL_RCVHWM)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, codec.MAX_FRAME_BYTES)
+        _bind(self.sock, addr)
+        self.addr = addr
+
+    def recv_frame(self) -> bytes | None:
+        """One raw frame, or ``None`` if nothing is waiting (non-blocking)."""
+        try:
+            parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return None
+        return parts[-1] if len(parts) == 1 else b"".join(parts)  # multipart → garbage
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class EngineOutbound:
+    """Engine side of the outbound channel (PUB, bound). Assigns per-topic seq."""
+
+    def __init__(self, ctx: zmq.Context, addr: str):
+        self.sock = ctx.socket(zmq.PUB)
+        self.sock.setsockopt(zmq.SNDHWM, PUB_SNDHWM)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        _bind(self.sock, addr)
+        self.addr = addr
+        self._seq: dict[bytes, int] = {}
+
+    def publish(self, topic: bytes, msg: Any) -> None:
+        self.publish_frame(topic, codec.encode(msg))
+
+    def publish_frame(self, topic: bytes, payload: bytes) -> None:
+        seq = self._seq.get(topic, 0)
+        self._seq[topic] = seq + 1
+        self.sock.send_multipart([topic, seq.to_bytes(8, "big"), payload], copy=False)
+
+    def forget(self, topic: bytes) -> None:
+        """Drop a departed frontend's sequence counter."""
+        self._seq.pop(topic, None)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+@dataclass
+class Received:
+    topic: bytes
+    msg: Any
+
+
+class ClientChannel:
+    """Frontend / client-script side: PUSH to the engine, SUB to its own topic and the
+    broadcast topic. ``recv`` raises :class:`SequenceGap` when frames were lost."""
+
+    def __init__(self, ctx: zmq.Context, input_addr: str, output_addr: str, topic: bytes,
+                 broadcast: bytes | None = None):
+        self.topic = topic
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.SNDHWM, PUSH_SNDHWM)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.connect(input_addr)
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        if broadcast is not None:
+            self.sub.setsockopt(zmq.SUBSCRIBE, broadcast)
+        self.sub.connect(output_addr)
+        self._topics = {topic} if broadcast is None else {topic, broadcast}
+        self._expected: dict[bytes, int] = {}
+
+    def send(self, msg: Any, timeout_ms: int = 1000) -> None:
+        """Send one message; raises ``zmq.Again`` if the engine has not taken it
+        within ``timeout_ms`` (HWM full: engine gone or wedged)."""
+        if not self.push.poll(timeout_ms, zmq.POLLOUT):
+            raise zmq.Again("engine input is not accepting messages")
+        self.push.send(codec.encode(msg), zmq.NOBLOCK)
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self.sub.poll(timeout_ms, zmq.POLLIN))
+
+    def recv(self) -> Received | None:
+        """One message, or ``None`` if nothing is waiting (non-blocking).
+
+        Raises :class:`SequenceGap` (after resynchronising) when frames were lost,
+        and :class:`codec.DecodeError` for a malformed frame.
+        """
+        try:
+            topic, seq_b, payload = self.sub.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        if topic not in self._topics:
+            return None  # SUB filters by prefix: a longer topic that starts with ours
+        seq = int.from_bytes(seq_b, "big")
+        expected = self._expected.get(topic)
+        self._expected[topic] = seq + 1
+        if expected is not None and seq != expected:
+            raise SequenceGap(topic, expected, seq)
+        return Received(topic, codec.decode(payload))
+
+    def reset_sequence(self) -> None:
+        """Forget expected sequence numbers (after the engine restarted)."""
+        self._expected.clear()
+
+    def close(self) -> None:
+        self.push.close(0)
+        self.sub.close(0)

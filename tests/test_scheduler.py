@@ -1,0 +1,129 @@
+"""The scheduler on a tiny random Llama: batching equivalence, the tick order, exits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_proc.request import RequestStatus
+from shared.protocol import FinishReason
+from tests.helpers import (assert_matches_reference, make_request, make_scheduler, run_until_idle,
+                           tokens_of)
+
+
+def _prompts(seed: int, n: int, vocab: int = 49152) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("mode,chunk", [("monolithic", 0), ("chunked", 7)])
+def test_alone_equals_generate(tiny_llama, mode, chunk):
+    """Greedy tokens of a lone request are transformers' generate(do_sample=False)."""
+    prompt = _prompts(1, 1)[0]
+    sched = make_scheduler(tiny_llama, prefill_mode=mode, prefill_chunk_size=chunk)
+    req = make_request(prompt, max_tokens=12, ignore_eos=True)
+    outs = run_until_idle(sched, {0: [req]})
+    with torch.inference_mode():
+        ref = tiny_llama.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert tokens_of(outs[req.request_id]) == ref[0, len(prompt):].tolist()
+    assert outs[req.request_id][-1].finish_reason is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("mode,chunk", [("monolithic", 0), ("chunked", 5)])
+def test_batched_with_joins_and_leaves_matches_alone(tiny_llama, mode, chunk):
+    """Eight requests of different prompt lengths join mid-stream and leave at
+    different lengths; each one's tokens equal its solo run, and its logits equal the
+    teacher-forced reference at every step."""
+    prompts = _prompts(2, 8)
+    max_tokens = [3, 17, 9, 1, 12, 6, 20, 2]
+    sched = make_scheduler(tiny_llama, prefill_mode=mode, prefill_chunk_size=chunk)
+    reqs = [make_request(pr, max_tokens=m, ignore_eos=True) for pr, m in zip(prompts, max_tokens)]
+    arrivals = {0: reqs[:3], 2: reqs[3:5], 5: reqs[5:7], 9: reqs[7:]}
+    outs = run_until_idle(sched, arrivals)
+    assert sched.stats()["num_ticks"] > 0
+    for req in reqs:
+        toks = tokens_of(outs[req.request_id])
+        assert len(toks) == req.params.max_tokens
+        solo = make_scheduler(tiny_llama, prefill_mode=mode, prefill_chunk_size=chunk)
+        solo_req = make_request(req.prompt_token_ids, max_tokens=req.params.max_tokens, ignore_eos=True)
+        assert tokens_of(run_until_idle(solo, {0: [solo_req]})[solo_req.request_id]) == toks
+        assert_matches_reference(tiny_llama, req.prompt_token_ids, toks, sched.backend.logits[req.request_id])
+
+
+def test_decode_batch_holds_many_rows(tiny_llama):
+    sched = make_scheduler(tiny_llama, max_batch_size=4)
+    reqs = [make_request(p, max_tokens=6, ignore_eos=True) for p in _prompts(3, 6)]
+    for r in reqs:
+        sched.add_request(r)
+    sizes = []
+    while sched.has_work():
+        sched.step()
+        sizes.append(len(sched._active))
+        sched.check_invariants()
+    assert max(sizes) == 4  # never more than MAX_BATCH_SIZE, and batching happened
+
+
+@pytest.mark.parametrize("mode,chunk", [("monolithic", 0), ("chunked", 4)])
+def test_first_token_streamed_for_one_token_request(tiny_llama, mode, chunk):
+    """The card's ordering invariant: a request admitted in a tick has its first token
+    streamed, even when that token ends it (max_tokens=1, or a stop token)."""
+    prompt = _prompts(4, 1)[0]
+    sched = make_scheduler(tiny_llama, prefill_mode=mode, prefill_chunk_size=chunk)
+    one = make_request(prompt, max_tokens=1)
+    outs = run_until_idle(sched, {0: [one]})
+    assert len(tokens_of(outs[one.request_id])) == 1
+    assert outs[one.request_id][-1].finish_reason is FinishReason.LENGTH
+    # A stop token id on the very first token.
+    first = tokens_of(outs[one.request_id])[0]
+    stopper = make_request(prompt, max_tokens=10, stop_token_ids=[first])
+    sched2 = make_scheduler(tiny_llama, prefill_mode=mode, prefill_chunk_size=chunk)
+    outs2 = run_until_idle(sched2, {0: [stopper]})
+    assert tokens_of(outs2[stopper.request_id]) == [first]
+    assert outs2[stopper.request_id][-1].finish_reason is FinishReason.STOP
+    assert sched2.active_kv_reserved == 0
+
+
+def test_eos_finishes_with_stop(tiny_llama):
+    prompt = _prompts(5, 1)[0]
+    sched = make_scheduler(tiny_llama)
+    probe = make_request(prompt, max_tokens=3, ignore_eos=True)
+    second = tokens_of(run_until_idle(sched, {0: [probe]})[probe.request_id])[1]
+    sched.eos_token_ids = [second]
+    req = make_request(prompt, max_tokens=10)
+    outs = run_until_idle(sched, {0: [req]})
+    assert len(tokens_of(outs[req.request_id])) == 2
+    assert outs[req.request_id][-1].finish_reason is FinishReason.STOP
+
+
+@pytest.mark.parametrize("where", ["pending", "prefilling", "active"])
+def test_abort_from_every_queue_releases_everything(tiny_llama, where):
+    sched = make_scheduler(tiny_llama, max_batch_size=1, prefill_mode="chunked", prefill_chunk_size=4)
+    blocker = make_request(_prompts(6, 1)[0] * 3, max_tokens=30, ignore_eos=True)
+    victim = make_request(_prompts(7, 1)[0], max_tokens=30, ignore_eos=True)
+    sched.add_request(blocker if where == "pending" else victim)
+    if where == "pending":
+        sched.step()
+        sched.add_request(victim)
+    elif where == "active":
+        while victim.status is not RequestStatus.RUNNING:
+            sched.step()
+    else:
+        sched.step()
+        assert victim.status is RequestStatus.PREFILLING
+    assert sched.abort_request(victim.request_id)
+    sched.check_invariants()
+    finish = [o for _, o in sched.drain_outputs() if o.request_id == victim.request_id]
+    assert finish[-1].finish_reason is FinishReason.ABORT
+    assert victim.request_id not in sched._requests
+    sched.abort_request(blocker.request_id)
+    assert sched.active_kv_reserved == 0 and sched.block_pool.num_used_blocks == 0
+    assert not sched.abort_request(victim.request_id)  # idempotent
+
+
+def test_unimplemented_prefill_modes_fail_loud(tiny_llama):
+    for mode in ("mixed_batch", "disaggregated"):
+        with pytest.raises(NotImplementedError):
+            make_scheduler(tiny_llama, prefill_mode=mode)
