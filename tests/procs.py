@@ -1,0 +1,144 @@
+"""Spawning real engine / frontend processes for tests, with bounded waits and cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _flags(options: dict) -> list[str]:
+    out = []
+    for key, value in options.items():
+        out += ["--" + key.replace("_", "-"), str(value)]
+    return out
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen
+    log: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        return self.popen.returncode
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+@dataclass
+class ProcessGroup:
+    """Processes started by one test; ``close`` stops them all (SIGTERM, then SIGKILL)."""
+
+    tmp: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    def spawn(self, args: list[str], name: str) -> Proc:
+        log = self.tmp / f"{name}-{len(self.procs)}.log"
+        fh = open(log, "wb")
+        popen = subprocess.Popen([sys.executable, *args], stdout=fh, stderr=subprocess.STDOUT,
+                                 env=_env(), cwd=str(REPO), start_new_session=True)
+        proc = Proc(popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def engine(self, model_dir: Path, run_dir: Path, **options) -> Proc:
+        opts = {"model": model_dir, "run_dir": run_dir, "device": "cpu", "torch_threads": 1, **options}
+        return self.spawn(["-m", "engine_proc", *_flags(opts)], "engine")
+
+    def frontend(self, model_dir: Path, run_dir: Path, port: int, **options) -> Proc:
+        opts = {"model": model_dir, "run_dir": run_dir, "port": port, "log_level": "warning", **options}
+        return self.spawn(["-m", "frontend", *_flags(opts)], "frontend")
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.alive():
+                try:
+                    os.killpg(proc.popen.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            try:
+                proc.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.popen.wait(5)
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+            if last:
+                return last
+        except Exception as exc:  # noqa: BLE001 - keep polling until the deadline
+            last = exc
+        time.sleep(interval)
+    raise TimeoutError(f"{what} not reached within {timeout}s (last: {last!r})")
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 30.0, headers: dict | None = None
+              ) -> tuple[int, dict, dict]:
+    """(status, json body, headers) of a GET (no body) or POST."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"null"), dict(resp.headers)
+    except urllib.error.HTTPError as err:
+        raw = err.read()
+        try:
+            payload = json.loads(raw)
+        except json.JSONDecodeError:
+            payload = {"raw": raw.decode(errors="replace")}
+        return err.code, payload, dict(err.headers)
+
+
+def wait_healthy(base: str, timeout: float = 120.0) -> None:
+    wait_for(lambda: http_json(f"{base}/health", timeout=2)[0] == 200, timeout, 0.2, f"{base}/health 200")
+
+
+def stats(base: str) -> dict:
+    status, body, _ = http_json(f"{base}/scheduler/stats", timeout=5)
+    assert status == 200, body
+    return body
