@@ -201,8 +201,8 @@ class Scheduler:
                 self.kv_budget_tokens - self._active_kv_reserved))
         match = pool.match_prefix(req.prompt_token_ids) if self.prefix_caching else None
         cached = match.num_tokens if match else 0
-        # Hit blocks that sit in the free queue leave it when reused: count them too.
-        revived = sum(1 for b in match.block_ids if pool.ref_count(b) == 0) if match else 0
+        # Hit blocks that sit in the free queue leave it when reused: they count too.
+        revived = match.num_evictable_blocks if match else 0
         if not pool.can_allocate(pool.blocks_needed(need, cached) + revived):
             return AdmitDecision(AdmitVerdict.SOFT_HOLD, num_cached_tokens=cached, reason=RejectReason(
                 RejectCode.BLOCK_POOL, "not enough free KV blocks", self.limits.blocks_for(need),
