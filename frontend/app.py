@@ -237,8 +237,12 @@ class Frontend:
                     self.client.abort([choice.request_id])
                 elif out.finish_reason is not None:
                     delta += choice.text.flush()
-                    choice.finish_reason = "abort" if out.finish_reason is p.FinishReason.ABORT \
-                        else out.finish_reason.value
+                    if choice.text.stopped:  # a stop string that only matched at the end
+                        choice.finish_reason = "stop"
+                    elif out.finish_reason is p.FinishReason.ABORT:
+                        choice.finish_reason = "abort"
+                    else:
+                        choice.finish_reason = out.finish_reason.value
                 if choice.finish_reason is not None:
                     remaining -= 1
                 if delta or lps or choice.finish_reason is not None:

@@ -1,0 +1,473 @@
+"""Streamed token ids → text deltas, cut at stop strings.
+
+The engine streams token ids; the frontend turns them into text for SSE. One choice's
+path through this module::
+
+    token ids ──► IncrementalDetokenizer ──► text delta ──► StopStringMatcher ──► SSE
+                  holds the bytes of an                     holds text that could still
+                  unfinished UTF-8 character                become a stop string
+
+:class:`TextStream` wires the two together and is what the HTTP layer keeps per choice.
+
+Guarantees, for every piece: text already returned never changes (deltas only append),
+and pieces of text are held back only while the next tokens could still change them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+_REPLACEMENT = "\ufffd"
+
+# Prompt tokens decoded in front of the output on the generic (window) path, so that
+# decoders that treat the first token of a decode call specially (SentencePiece's
+# Metaspace drops its leading space) see the output in context.
+_PROMPT_CONTEXT_TOKENS = 4
+
+
+# --------------------------------------------------------------------------------------
+# Incremental detokenization
+# --------------------------------------------------------------------------------------
+
+
+class DecodeMode(enum.Enum):
+    """How an :class:`IncrementalDetokenizer` turns ids into text.
+
+    BYTE_LEVEL: byte-level BPE (GPT-2 style; SmolLM2, Llama 3, Qwen). Each token maps to
+        raw bytes; exactly the bytes of an unfinished last character are held back.
+        Exact and O(new tokens) per push, always.
+    WINDOW: any other tokenizer. Re-decodes a short window of recent tokens with
+        ``tokenizer.decode`` and emits what the window adds (prefix/read offsets).
+    """
+
+    BYTE_LEVEL = "byte_level"
+    WINDOW = "window"
+
+
+class _Decoder(Protocol):
+    def push(self, token_ids: Sequence[int]) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of output token ids into text deltas.
+
+    ``push(ids)`` returns the text the new ids add; ``flush()`` returns whatever is
+    still held when the stream ends. Guarantees:
+
+    - Monotonic: text returned is never revised; later calls only append.
+    - No half characters: a delta never ends inside a UTF-8 character and never holds a
+      U+FFFD that the full decode does not hold at that place. Bytes of an unfinished
+      character are held until a later token completes it (or proves it invalid).
+    - Exact: ``"".join(pushes) + flush() == tokenizer.decode(all_ids,
+      skip_special_tokens=skip_special_tokens)``. On the WINDOW path this holds for
+      decoders that decode a run of tokens the same whatever precedes it (byte-level
+      BPE; SentencePiece byte-fallback while its byte tokens form valid UTF-8). With
+      ``prompt_token_ids`` given, a SentencePiece tokenizer keeps the leading space of
+      the first output word (the text as it reads after the prompt), which a
+      stand-alone decode of the output drops.
+    - Cost per ``push``: BYTE_LEVEL is O(new tokens). WINDOW decodes the previous
+      push's tokens (as context) plus held and new tokens; tokens are held only while
+      the text ends in U+FFFD or adds nothing (skipped special tokens), i.e. at most 3
+      for valid UTF-8 output. A run of invalid bytes is held (and re-decoded) until a
+      complete character follows, or until ``flush()``.
+
+    ``prompt_token_ids``: decoding context only; its text is never returned. Byte-level
+    decoding needs no context and ignores it.
+
+    Where a genuinely invalid byte sequence shows up: BYTE_LEVEL emits its U+FFFD as
+    soon as a following byte proves it invalid, or at ``flush()`` when the stream ends
+    inside it. WINDOW holds any trailing U+FFFD until a complete character follows, or
+    until ``flush()``.
+
+    ``flush()`` ends the stream: a second call returns ``""``; ``push`` after it raises
+    ``RuntimeError``.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        backend = _byte_level_backend(tokenizer)
+        self._decoder: _Decoder
+        if backend is not None:
+            self.mode = DecodeMode.BYTE_LEVEL
+            self._decoder = _ByteLevelDecoder(backend, skip_special_tokens)
+        else:
+            self.mode = DecodeMode.WINDOW
+            self._decoder = _WindowDecoder(tokenizer, prompt_token_ids, skip_special_tokens)
+        self.num_tokens = 0  # output token ids pushed so far
+        self._flushed = False
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Append output ids; return the text they complete (may be ``""``)."""
+        if self._flushed:
+            raise RuntimeError("push() after flush(): the stream has ended")
+        self.num_tokens += len(token_ids)
+        return self._decoder.push(token_ids)
+
+    def flush(self) -> str:
+        """End the stream; return everything still held, invalid bytes as U+FFFD."""
+        if self._flushed:
+            return ""
+        self._flushed = True
+        return self._decoder.flush()
+
+
+def _byte_level_backend(tokenizer):
+    """The ``tokenizers.Tokenizer`` behind ``tokenizer`` when decoding it is plain
+    byte-level BPE decoding (so each token is a fixed byte string); otherwise ``None``.
+
+    Requires a transformers ``TokenizersBackend`` with its stock ``decode``, a bare
+    ``ByteLevel`` decoder (not inside a ``Sequence``) and no space clean-up.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    try:
+        from tokenizers.decoders import ByteLevel
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    stock_decode = (
+        isinstance(tokenizer, TokenizersBackend)
+        and type(tokenizer).decode is TokenizersBackend.decode
+        and type(tokenizer)._decode is TokenizersBackend._decode
+    )
+    if not stock_decode or not isinstance(backend.decoder, ByteLevel):
+        return None
+    return backend
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Printable stand-in character → byte, as byte-level BPE vocabularies spell bytes.
+
+    Bytes that are printable and not whitespace (``!``..``~``, ``¡``..``¬``,
+    ``®``..``ÿ``) stand for themselves; the other 68 bytes, in increasing order, are
+    spelled ``chr(256)``, ``chr(257)``, ... (so a space is ``Ġ``, a newline ``Ċ``).
+    """
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet = {chr(b): b for b in printable}
+    others = (b for b in range(256) if chr(b) not in alphabet)
+    alphabet.update({chr(256 + n): b for n, b in enumerate(others)})
+    return alphabet
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
+def _byte_level_token_bytes(token: str) -> bytes:
+    """The bytes a byte-level decoder writes for one token string.
+
+    A token spelled entirely in the byte alphabet gives those bytes; any other token
+    (an added token such as ``日本``) gives its own UTF-8 encoding, as the
+    ``tokenizers`` ``ByteLevel`` decoder does.
+    """
+    try:
+        return bytes(_BYTE_OF_CHAR[c] for c in token)
+    except KeyError:
+        return token.encode("utf-8")
+
+
+class _ByteLevelDecoder:
+    """Token ids → bytes → UTF-8 text, holding back an unfinished last character.
+
+    Complete bytes are decoded with ``errors="replace"``: one U+FFFD per maximal
+    invalid subsequence, as Rust's ``String::from_utf8_lossy`` (used by
+    ``tokenizers``) does. Python's own incremental decoder is not used because it also
+    holds back some sequences that are already invalid (``ED A0``, a surrogate).
+    """
+
+    def __init__(self, backend, skip_special_tokens: bool) -> None:
+        self._backend = backend
+        self._skipped: frozenset[int] = frozenset()
+        if skip_special_tokens:
+            added = backend.get_added_tokens_decoder()
+            self._skipped = frozenset(i for i, tok in added.items() if tok.special)
+        self._pending = b""  # 0-3 bytes: the start of a character not yet finished
+
+    def _bytes(self, token_id: int) -> bytes:
+        if token_id in self._skipped:
+            return b""
+        token = self._backend.id_to_token(token_id)
+        return b"" if token is None else _byte_level_token_bytes(token)  # unknown id → nothing
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        data = self._pending + b"".join(map(self._bytes, token_ids))
+        ready = len(data) - _unfinished_tail_len(data)
+        self._pending = data[ready:]
+        return data[:ready].decode("utf-8", errors="replace")
+
+    def flush(self) -> str:
+        data, self._pending = self._pending, b""
+        return data.decode("utf-8", errors="replace")
+
+
+def _unfinished_tail_len(data: bytes) -> int:
+    """How many trailing bytes of ``data`` (0-3) start a valid UTF-8 character that
+    more bytes could still finish (Unicode 15, Table 3-7)."""
+    for back in range(1, min(3, len(data)) + 1):
+        byte = data[-back]
+        if 0x80 <= byte <= 0xBF:  # continuation byte: the lead byte is further back
+            continue
+        if 0xC2 <= byte <= 0xDF:
+            length = 2
+        elif 0xE0 <= byte <= 0xEF:
+            length = 3
+        elif 0xF0 <= byte <= 0xF4:
+            length = 4
+        else:  # ASCII, or a byte that never starts a character
+            return 0
+        low, high = _SECOND_BYTE_RANGE.get(byte, (0x80, 0xBF))
+        second_ok = back == 1 or low <= data[-back + 1] <= high
+        return back if back < length and second_ok else 0
+    return 0
+
+
+# Lead bytes whose second byte is restricted (no overlong forms, no surrogates, no
+# code points above U+10FFFF).
+_SECOND_BYTE_RANGE = {
+    0xE0: (0xA0, 0xBF),
+    0xED: (0x80, 0x9F),
+    0xF0: (0x90, 0xBF),
+    0xF4: (0x80, 0x8F),
+}
+
+
+class _WindowDecoder:
+    """Generic incremental decoding with a prefix offset and a read offset.
+
+    ``_ids`` holds only the window: context tokens (already emitted, or prompt tail)
+    followed by tokens not yet emitted::
+
+        _ids:  [ context ........ | unread ........... ]
+               0                _read             len(_ids)
+        _prefix_text = decode(_ids[:_read])
+
+    A push decodes the whole window; if the text grew and does not end in U+FFFD (a
+    possibly unfinished character), the part past ``_prefix_text`` is emitted and the
+    tokens just emitted become the next window's context.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int] | None, skip: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip
+        context = list(prompt_token_ids or [])[-_PROMPT_CONTEXT_TOKENS:]
+        text = self._decode(context)
+        if text.endswith(_REPLACEMENT):  # prompt ends inside a character: no context
+            context, text = [], ""
+        self._ids: list[int] = context
+        self._read = len(context)
+        self._prefix_text = text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        self._ids.extend(token_ids)
+        if len(self._ids) == self._read:
+            return ""
+        text = self._decode(self._ids)
+        if len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT):
+            return ""
+        return self._emit(text)
+
+    def flush(self) -> str:
+        if len(self._ids) == self._read:
+            return ""
+        return self._emit(self._decode(self._ids))
+
+    def _emit(self, text: str) -> str:
+        delta = text[len(self._prefix_text) :]
+        self._ids = self._ids[self._read :]
+        self._read = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        return delta
+
+
+# --------------------------------------------------------------------------------------
+# Stop strings
+# --------------------------------------------------------------------------------------
+
+
+class StopResult(NamedTuple):
+    """Text that is safe to send now, and whether the stream has hit a stop string.
+
+    Once ``stopped`` is true the text already includes everything that will ever be
+    sent (up to the stop string, and the stop string itself if requested). A named
+    tuple, so ``text, stopped = stream.push(ids)`` works.
+    """
+
+    text: str
+    stopped: bool
+
+
+class StopStringMatcher:
+    """Cuts a text stream at the first stop string.
+
+    Stop strings are matched on text, inside one delta or across any number of them.
+    Text that could still be the start of a stop string is held back until the next
+    deltas rule that out; everything else goes out at once. Which match wins is a
+    function of the full text only, never of how it was split into deltas: the match
+    that starts earliest, and among those that start at the same place the shortest.
+    So, for a single stop string ``s``, the text sent is ``text[:text.find(s)]``, or
+    all of ``text`` if ``s`` never occurs.
+
+    On a match: the text before it (plus the stop string when
+    ``include_stop_str_in_output``) goes out with ``stopped=True``, nothing after it
+    ever does, and later pushes return ``StopResult("", True)``.
+
+    Cost per push: O(k·(d + L²)) for k stop strings of length at most L and a delta of
+    d characters; at most L - 1 characters are held between pushes.
+    """
+
+    def __init__(
+        self, stop: Sequence[str] | None, include_stop_str_in_output: bool = False
+    ) -> None:
+        stops = list(dict.fromkeys(stop or ()))
+        if "" in stops:
+            raise ValueError("stop strings must not be empty")
+        self._stops = stops
+        self._include = include_stop_str_in_output
+        self._max_len = max(map(len, stops), default=0)
+        self._held = ""
+        self._flushed = False
+        self.matched: str | None = None  # the stop string that ended the stream
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
+
+    def push(self, delta: str) -> StopResult:
+        """Add a text delta; return what is safe to send now."""
+        if self._flushed:
+            raise RuntimeError("push() after flush(): the stream has ended")
+        if self.stopped:
+            return StopResult("", True)
+        held = self._held + delta
+        match = self._first_match(held)
+        end = match[0] if match else len(held)
+        pending = self._first_pending(held, end)
+        if pending is not None:  # a stop string may still start at `pending`
+            self._held = held[pending:]
+            return StopResult(held[:pending], False)
+        if match is not None:
+            return self._stop(held, *match)
+        self._held = ""
+        return StopResult(held, False)
+
+    def flush(self) -> str:
+        """End the stream; return the held text, cut at a stop string if one matches.
+
+        A match found here (a shorter stop string that waited on a longer one that
+        started earlier but never completed) sets :attr:`stopped` as a push would.
+        """
+        if self._flushed or self.stopped:
+            self._flushed = True
+            return ""
+        self._flushed = True
+        held, self._held = self._held, ""
+        match = self._first_match(held)
+        return held if match is None else self._stop(held, *match).text
+
+    def _stop(self, held: str, pos: int, stop: str) -> StopResult:
+        self.matched = stop
+        self._held = ""
+        return StopResult(held[: pos + len(stop)] if self._include else held[:pos], True)
+
+    def _first_match(self, text: str) -> tuple[int, str] | None:
+        """(start, stop string) of the earliest, then shortest, complete match."""
+        best: tuple[int, str] | None = None
+        for stop in self._stops:
+            pos = text.find(stop)
+            if pos >= 0 and (best is None or (pos, len(stop)) < (best[0], len(best[1]))):
+                best = (pos, stop)
+        return best
+
+    def _first_pending(self, text: str, end: int) -> int | None:
+        """Earliest start before ``end`` of a stop string that runs past the end of
+        ``text`` and agrees with it so far, i.e. one that more text could complete."""
+        for start in range(max(0, len(text) - self._max_len + 1), end):
+            tail = text[start:]
+            if any(len(s) > len(tail) and s.startswith(tail) for s in self._stops):
+                return start
+        return None
+
+
+# --------------------------------------------------------------------------------------
+# Both, per choice
+# --------------------------------------------------------------------------------------
+
+
+class TextStream:
+    """One choice's output: token ids in, text deltas cut at stop strings out.
+
+    ``push(ids)`` returns a :class:`StopResult` ``(text, stopped)``; ``flush()`` returns
+    the last text when the engine finishes the request. After a stop string matched,
+    pushes return ``StopResult("", True)`` and are otherwise ignored (ids still in
+    flight before the engine handles the abort); ``push`` after ``flush`` raises
+    ``RuntimeError``. ``text`` is everything sent so far. Guarantees and costs are
+    those of :class:`IncrementalDetokenizer` and :class:`StopStringMatcher`.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        stop: Sequence[str] | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        self._matcher = StopStringMatcher(stop, include_stop_str_in_output)
+        self._parts: list[str] = []
+        self._flushed = False
+
+    @property
+    def stopped(self) -> bool:
+        return self._matcher.stopped
+
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the stream, or ``None``."""
+        return self._matcher.matched
+
+    @property
+    def text(self) -> str:
+        """All text sent so far (the concatenation of every returned delta)."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    def push(self, token_ids: Sequence[int]) -> StopResult:
+        """Append output ids; return the text safe to send and whether it stopped."""
+        if self.stopped:
+            return StopResult("", True)
+        result = self._matcher.push(self._detokenizer.push(token_ids))
+        self._record(result.text)
+        return result
+
+    def flush(self) -> str:
+        """End the stream (EOS, length, abort); return the rest of the text.
+
+        A stop string can still match here (see :meth:`StopStringMatcher.flush`):
+        check :attr:`stopped` afterwards. Calling it again, or after a stop, returns
+        ``""``.
+        """
+        if self.stopped or self._flushed:
+            return ""
+        self._flushed = True
+        result = self._matcher.push(self._detokenizer.flush())
+        text = result.text + self._matcher.flush()
+        self._record(text)
+        return text
+
+    def _record(self, text: str) -> None:
+        if text:
+            self._parts.append(text)
