@@ -173,8 +173,9 @@ class FairPolicy(SchedulingPolicy):
 
     Lift rule: when a request arrives for a session with no queued *or running* work,
     its counter becomes ``max(own, min counter over sessions that have work)``; if no
-    other session has work it keeps its own. A newcomer thus cannot starve the others
-    with a catch-up burst, and is not pushed behind them either.
+    session has work, ``max(own, counter of the session that went idle last)`` — so a
+    newcomer arriving while the engine is idle cannot later claim a catch-up burst
+    against a heavy session that returns. Either way it is not pushed behind others.
 
     The paper's bound: for two clients that stay backlogged over an interval, VTC keeps
     the difference in their weighted service within ``2 · max(w_p · L_input, w_q · M)``
@@ -197,6 +198,7 @@ class FairPolicy(SchedulingPolicy):
         self._running: dict[str, int] = {}  # session → admitted, unfinished requests (> 0)
         self._admitted: set[Request] = set()
         self._waiting = 0
+        self._last_idle_counter = 0.0  # counter of the session whose work emptied last
 
     def _has_work(self, session: str) -> bool:
         return session in self._queues or session in self._running
@@ -206,7 +208,7 @@ class FairPolicy(SchedulingPolicy):
         if not self._has_work(session):
             own = self._counters.get(session, 0.0)
             busy = [self._counters[s] for s in self._queues.keys() | self._running.keys()]
-            self._counters[session] = max(own, min(busy)) if busy else own
+            self._counters[session] = max(own, min(busy) if busy else self._last_idle_counter)
         self._queues.setdefault(session, _WaitHeap()).push(req)
         self._waiting += 1
 
@@ -261,6 +263,8 @@ class FairPolicy(SchedulingPolicy):
             self._running[req.session_id] -= 1
             if not self._running[req.session_id]:
                 del self._running[req.session_id]
+        if not self._has_work(req.session_id) and req.session_id in self._counters:
+            self._last_idle_counter = self._counters[req.session_id]
 
     def __len__(self) -> int:
         return self._waiting

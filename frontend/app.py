@@ -168,14 +168,16 @@ class Frontend:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return PromptInfo(ids, text)
 
-    async def _start_choices(self, body, prompts: list[PromptInfo], n: int, max_tokens_default: int | None,
-                             logprobs: int | None) -> list[ChoiceState]:
+    async def _start_choices(self, request: Request, body, prompts: list[PromptInfo], n: int,
+                             max_tokens_default: int | None, logprobs: int | None) -> list[ChoiceState]:
         """Submit every (prompt, sample) pair; all-or-nothing: a rejection aborts the rest."""
         if self.draining:
             raise HTTPError(503, "the server is shutting down", "service_unavailable",
                             headers={"Retry-After": "1"})
         choices: list[ChoiceState] = []
         skip_special = True if body.skip_special_tokens is None else body.skip_special_tokens
+        # Fair/VTC accounting unit: explicit session_id, the X-Session-Id header, or OpenAI's `user`.
+        session = body.session_id or request.headers.get("x-session-id") or body.user
         try:
             for pi, prompt in enumerate(prompts):
                 max_tokens = self._max_tokens(body, len(prompt.token_ids), max_tokens_default)
@@ -190,7 +192,7 @@ class Frontend:
                         params_j = params
                     rid = self.client.new_request_id()
                     stream = await self.client.submit(rid, prompt.token_ids, params_j,
-                                                      session_id=body.session_id or body.user,
+                                                      session_id=session,
                                                       priority=body.priority or 0)
                     text = TextStream(self.tokenizer, stop=body.stop_strings,
                                       include_stop_str_in_output=bool(body.include_stop_str_in_output),
@@ -293,7 +295,8 @@ class Frontend:
         self._check_model(body)
         prompts = self._prompts(body)
         n = body.n or 1
-        choices = await self._start_choices(body, prompts, n, DEFAULT_MAX_TOKENS_COMPLETIONS, body.logprobs)
+        choices = await self._start_choices(request, body, prompts, n, DEFAULT_MAX_TOKENS_COMPLETIONS,
+                                            body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         echo = bool(body.echo)
@@ -334,7 +337,7 @@ class Frontend:
         self._check_model(body)
         prompt = self._chat_prompt(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        choices = await self._start_choices(body, [prompt], body.n or 1, None, logprobs)
+        choices = await self._start_choices(request, body, [prompt], body.n or 1, None, logprobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}

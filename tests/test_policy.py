@@ -154,15 +154,20 @@ def test_fair_returning_session_lifted_but_keeps_higher_counter():
     assert counters(p)["b"] == 1400.0
 
 
-def test_fair_session_alone_keeps_its_counter():
+def test_fair_newcomer_on_idle_engine_lifts_to_last_idle_session():
+    """Nobody has work: the newcomer starts at the counter of the session that went
+    idle last, so when that heavy session returns, the newcomer has no catch-up burst."""
     p = FairPolicy()
     a1 = req("a")
     p.on_request_arrived(a1)
     p.on_request_admitted(p.pick_next())
     p.on_tokens_processed(a1, 50, 0)
     p.on_request_finished(a1)
-    p.on_request_arrived(req("b"))  # nobody else has work: b stays at 0
-    assert counters(p) == {"a": 50.0, "b": 0.0}
+    p.on_request_arrived(req("b"))
+    assert counters(p) == {"a": 50.0, "b": 50.0}
+    a2 = req("a")
+    p.on_request_arrived(a2)  # a returns while b waits: a and b are level, arrival order decides
+    assert p.peek_next().session_id == "b"
 
 
 def test_fair_running_work_counts_as_busy():

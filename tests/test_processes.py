@@ -91,7 +91,8 @@ def test_stream_and_non_stream_agree(stack):
 
 def test_client_disconnect_aborts_and_frees_the_row(stack):
     _, base = stack
-    body = {"prompt": "tell me everything", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    aborted_before = stats(base)["num_aborted"]
+    body = {"prompt": "tell me everything", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as resp:
         got = 0
         for line in resp.iter_lines():
@@ -99,9 +100,9 @@ def test_client_disconnect_aborts_and_frees_the_row(stack):
                 got += 1
             if got == 3:
                 break
-        assert stats(base)["num_active"] == 1
     wait_for(lambda: _baseline(base), 15, what="engine back at baseline after disconnect")
-    assert stats(base)["num_aborted"] >= 1
+    after = stats(base)
+    assert after["num_aborted"] == aborted_before + 1, after  # aborted, not run to max_tokens
 
 
 def test_client_mistakes_get_openai_shaped_400_and_leave_no_trace(stack):
