@@ -88,24 +88,24 @@ def build_scheduler(config: cfg.EngineConfig, model, on_left_pending=None) -> Sc
     Raises ``NotImplementedError`` for a prefill mode that is not built yet.
     """
     max_len = min(config.max_model_len, getattr(model.config, "max_position_embeddings", config.max_model_len))
-    backend = make_backend(config, model, max_len)
-    pool = BlockPool(config.resolved_num_blocks, config.kv_block_size,
-                     enable_prefix_caching=config.backend == cfg.BackendName.PAGED.value)
+    prefix_caching = config.backend == cfg.BackendName.PAGED.value and config.prefix_caching
+    pool = BlockPool(config.resolved_num_blocks, config.kv_block_size, enable_prefix_caching=prefix_caching)
+    backend = make_backend(config, model, max_len, pool)
     policy = make_policy(config.policy, prompt_weight=config.fair_prompt_weight,
                          output_weight=config.fair_output_weight)
     return Scheduler(config, backend, policy, pool, eos_ids_of(model),
-                     prefix_caching=config.backend == cfg.BackendName.PAGED.value,
-                     on_left_pending=on_left_pending)
+                     prefix_caching=prefix_caching, on_left_pending=on_left_pending)
 
 
-def make_backend(config: cfg.EngineConfig, model, max_model_len: int) -> Backend:
+def make_backend(config: cfg.EngineConfig, model, max_model_len: int, pool: BlockPool) -> Backend:
+    """The configured backend; the paged one keeps its KV in ``pool``'s blocks."""
     if config.backend == cfg.BackendName.HF.value:
         from engine_proc.backends.hf import HFBackend
 
         return HFBackend(model, max_model_len)
     from engine_proc.backends.paged import PagedBackend
 
-    return PagedBackend(model, max_model_len, config.resolved_num_blocks, config.kv_block_size)
+    return PagedBackend(model, max_model_len, pool)
 
 
 class EngineServer:
@@ -161,6 +161,15 @@ class EngineServer:
             if path and os.path.exists(path):
                 os.unlink(path)
 
+    def begin_drain(self) -> None:
+        """Refuse new submits (SHUTTING_DOWN → HTTP 503); in-flight requests go on."""
+        self._draining = True
+
+    @property
+    def idle(self) -> bool:
+        """Nothing accepted is unfinished (the I/O thread's view)."""
+        return not self._live_ids
+
     @property
     def num_waiting(self) -> int:
         return self._accepted - self._left_pending
@@ -209,10 +218,22 @@ class EngineServer:
         try:
             msg = codec.decode(frame)
         except codec.DecodeError as exc:
-            self.bad_frames += 1
-            log.warning("dropped a bad frame (%d so far): %s", self.bad_frames, exc)
+            self._drop(f"bad frame: {exc}")
             return
+        try:
+            self._on_message(msg)
+        except Exception as exc:  # a well-formed frame with nonsense inside: drop, keep serving
+            self._drop(f"{type(msg).__name__} could not be handled: {exc!r}")
+
+    def _drop(self, why: str) -> None:
+        self.bad_frames += 1
+        if self.bad_frames <= 100 or self.bad_frames % 1000 == 0:
+            log.warning("dropped a message (%d so far): %s", self.bad_frames, why)
+
+    def _on_message(self, msg) -> None:
         fid = getattr(msg, "frontend_id", None)
+        if not isinstance(fid, str) and fid is not None:
+            raise TypeError("frontend_id must be a string")
         if fid is not None:
             self._frontends[fid] = time.monotonic()
         if isinstance(msg, p.Submit):
@@ -235,8 +256,7 @@ class EngineServer:
         elif isinstance(msg, p.Heartbeat):
             pass
         else:
-            self.bad_frames += 1
-            log.warning("dropped a %s sent to the engine", type(msg).__name__)
+            self._drop(f"a {type(msg).__name__} is not for the engine")
 
     def _validate(self, msg: p.Submit) -> p.RejectReason | None:
         ids = msg.prompt_token_ids
@@ -371,8 +391,19 @@ def run_engine(config: cfg.EngineConfig) -> int:
     model, model_dir = load_model(config)
     scheduler = build_scheduler(config, model)
     server = EngineServer(config, scheduler)
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
-    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    drain_deadline: list[float] = []
+
+    def on_signal(signum, frame):
+        if drain_deadline:  # a second signal: stop now
+            server.stop()
+            return
+        log.info("draining: refusing new requests, finishing in-flight ones (at most %.0fs)",
+                 config.drain_timeout_s)
+        server.begin_drain()
+        drain_deadline.append(time.monotonic() + config.drain_timeout_s)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     server.start()
     log.info("engine %s serving %s on %s (device %s, backend %s, policy %s, prefill %s)",
              server.engine_id, model_dir, config.resolved_input_addr, scheduler.backend.device,
@@ -380,7 +411,9 @@ def run_engine(config: cfg.EngineConfig) -> int:
     print(f"tickserve engine ready input={config.resolved_input_addr} "
           f"output={config.resolved_output_addr}", flush=True)
     while not server._stop.is_set():
-        server._stop.wait(0.5)
+        server._stop.wait(0.1)
+        if drain_deadline and (server.idle or time.monotonic() > drain_deadline[0]):
+            server.stop()
     server.join(timeout=5)
     server.close()
     return 1 if server.fatal else 0

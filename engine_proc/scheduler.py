@@ -239,7 +239,7 @@ class Scheduler:
         self._prefilling.append(req)
         if self.prefill_mode is PrefillMode.MONOLITHIC:
             self._prefilling.remove(req)
-            self._run_prefill(req, req.prompt_len - req.num_computed_tokens)
+            self._run_prefill_isolated(req, req.prompt_len - req.num_computed_tokens)
 
     # ------------------------------------------------------------------ ② prefill
 
@@ -248,8 +248,19 @@ class Scheduler:
         if not self._prefilling:
             return
         req = self._prefilling[0]
-        if self._run_prefill(req, self.chunk_size):
+        if self._run_prefill_isolated(req, self.chunk_size):
             self._prefilling.popleft()
+
+    def _run_prefill_isolated(self, req: Request, max_tokens: int) -> bool:
+        """:meth:`_run_prefill`, but a failure ends only this row (its prefill KV is its
+        own), with ``finish_reason`` error; the rest of the batch keeps going."""
+        try:
+            return self._run_prefill(req, max_tokens)
+        except Exception as exc:
+            log.exception("prefill of %s failed; failing that request only", req.request_id)
+            req.error = f"prefill failed: {exc}"
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            return False
 
     def _run_prefill(self, req: Request, max_tokens: int) -> bool:
         """Compute up to ``max_tokens`` prompt tokens of ``req``; True once complete."""
@@ -297,6 +308,19 @@ class Scheduler:
             req.num_computed_tokens += 1
             self.policy.on_tokens_processed(req, 0, 1)
             self._append_token(req, sample.token_ids[i], sample.logprobs[i])
+        if self.prefix_caching:
+            self._commit_decoded_blocks(rows)
+
+    def _commit_decoded_blocks(self, rows: list[Request]) -> None:
+        """Hash each block this step filled, so a later prompt repeating a row's generated
+        text (a chat's next turn) hits it. Only rows whose written KV (``num_computed_tokens``
+        tokens) just reached a block boundary pay anything."""
+        bs = self.block_pool.block_size
+        for req in rows:
+            if req.num_computed_tokens % bs == 0:
+                written = req.num_computed_tokens - req.prompt_len
+                self.block_pool.commit_full_blocks(
+                    req.request_id, req.prompt_token_ids + req.output_token_ids[:written])
 
     # ------------------------------------------------------------------ tokens and exits
 

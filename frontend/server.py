@@ -1,4 +1,4 @@
-"""Frontend process entry point: tokenizer + Starlette app on uvicorn."""
+"""Frontend process entry point: tokenizer + Starlette app on uvicorn, with a drain phase."""
 
 from __future__ import annotations
 
@@ -6,14 +6,40 @@ import argparse
 import logging
 import os
 import sys
+import threading
+import time
+
+import uvicorn
 
 from shared import config as cfg
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain phase: the first SIGTERM/SIGINT turns new requests
+    and /health into 503 while in-flight requests finish (at most ``drain_timeout_s``
+    seconds); then uvicorn shuts down. A second signal shuts down at once."""
+
+    def __init__(self, config: uvicorn.Config, frontend, drain_timeout_s: float):
+        super().__init__(config)
+        self.frontend = frontend
+        self.drain_timeout_s = drain_timeout_s
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.frontend.draining:
+            return super().handle_exit(sig, frame)
+        self.frontend.draining = True
+        threading.Thread(target=self._drain, name="drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        while time.monotonic() < deadline and self.frontend.client.num_in_flight > 0:
+            time.sleep(0.05)
+        self.should_exit = True
+
+
 def run_frontend(config: cfg.FrontendConfig) -> int:
-    """Serve HTTP until SIGTERM/SIGINT; uvicorn drains in-flight requests first."""
+    """Serve HTTP until SIGTERM/SIGINT (then drain). Returns the exit code."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import uvicorn
     from transformers import AutoTokenizer
 
     from engine_proc.model_loader import model_display_name, resolve_model
@@ -26,8 +52,11 @@ def run_frontend(config: cfg.FrontendConfig) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     name = config.served_model_name or model_display_name(config.model)
     app = create_app(config, tokenizer, name)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
-                timeout_graceful_shutdown=int(config.drain_timeout_s), access_log=False)
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port,
+                                           log_level=config.log_level.lower(), access_log=False,
+                                           timeout_graceful_shutdown=5),
+                            app.state.frontend, config.drain_timeout_s)
+    server.run()
     return 0
 
 

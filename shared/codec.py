@@ -70,17 +70,20 @@ def _decoder_for(tp: Any) -> Converter:
     elif typing.get_origin(inner) is list:
         (item,) = typing.get_args(inner) or (Any,)
         item_conv = _decoder_for(item)
-        if item_conv is _identity:
-            conv = list
-        else:
-            conv = lambda v, c=item_conv: [c(x) for x in v]  # noqa: E731
-    elif typing.get_origin(inner) is dict:
-        conv = dict
+        conv = lambda v, c=item_conv: [c(x) for x in _expect(v, list)]  # noqa: E731
+    elif typing.get_origin(inner) is dict or inner is dict:
+        conv = lambda v: dict(_expect(v, dict))  # noqa: E731
     else:
         conv = _identity
     if optional and conv is not _identity:
         return lambda v, c=conv: None if v is None else c(v)
     return conv
+
+
+def _expect(value: Any, tp: type) -> Any:
+    if not isinstance(value, tp):
+        raise DecodeError(f"expected {tp.__name__}, got {type(value).__name__}")
+    return value
 
 
 _STRUCT_DECODERS: dict[type, Converter] = {}

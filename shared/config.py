@@ -62,10 +62,12 @@ class EngineConfig:
     kv_block_size: int = _opt(16, "tokens per KV cache block")
     kv_num_blocks: int = _opt(0, "blocks in the pool; 0 → enough for max_batch_size full-context rows, capped at 8192")
     backend: str = _opt("hf", "hf | paged")
+    prefix_caching: bool = _opt(True, "reuse cached KV blocks of shared prompt prefixes (paged backend only)")
     max_model_len: int = _opt(2048, "context window in tokens (prompt + output); capped by the model's own")
     torch_threads: int = _opt(0, "torch intra-op threads; 0 → all cores but one")
     heartbeat_interval_s: float = _opt(0.25, "engine → frontend heartbeat period, seconds")
     frontend_timeout_s: float = _opt(5.0, "a frontend silent this long has its requests aborted, seconds")
+    drain_timeout_s: float = _opt(30.0, "on SIGTERM, finish in-flight requests for at most this long, seconds")
     seed: int = _opt(0, "global torch seed (unseeded sampling)")
     log_level: str = _opt("info", "debug | info | warning")
 
@@ -164,7 +166,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
         if any(flag in a.option_strings for a in parser._actions):
             continue
         help_ = f"{f.metadata.get('help', '')} [env {env_name(f.name)}, default {f.default!r}]"
-        parser.add_argument(flag, dest=f.name, type=hints[f.name], default=None, help=help_)
+        tp = hints[f.name]
+        parse = (lambda raw: _parse(bool, raw)) if tp is bool else tp  # bool("False") is True
+        parser.add_argument(flag, dest=f.name, type=parse, default=None, help=help_)
 
 
 def build(cls: type, args: Mapping[str, Any] | argparse.Namespace | None = None,

@@ -73,7 +73,11 @@ class SamplingParams:
     logprobs: int | None = None  # None → no logprobs; k → sampled token + top-k
 
     def validate(self) -> str | None:
-        """Return a human-readable problem with these parameters, or ``None`` if valid."""
+        """Return a human-readable problem with these parameters, or ``None`` if valid
+        (types first: values from the wire are not trusted)."""
+        problem = self._type_problem()
+        if problem:
+            return problem
         if self.max_tokens < 1:
             return "max_tokens must be at least 1"
         if not 0.0 <= self.temperature <= 2.0:
@@ -94,6 +98,32 @@ class SamplingParams:
             return "min_tokens must be in [0, max_tokens]"
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             return "logprobs must be in [0, 20]"
+        return None
+
+    def _type_problem(self) -> str | None:
+        def is_int(v) -> bool:
+            return type(v) is int
+
+        def is_num(v) -> bool:
+            return type(v) in (int, float)
+
+        for name in ("max_tokens", "min_tokens"):
+            if not is_int(getattr(self, name)):
+                return f"{name} must be an integer"
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not is_num(getattr(self, name)):
+                return f"{name} must be a number"
+        for name in ("top_k", "seed", "logprobs"):
+            if getattr(self, name) is not None and not is_int(getattr(self, name)):
+                return f"{name} must be an integer or null"
+        if type(self.ignore_eos) is not bool:
+            return "ignore_eos must be a boolean"
+        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) for t in self.stop_token_ids):
+            return "stop_token_ids must be a list of integers"
+        if self.logit_bias is not None and (not isinstance(self.logit_bias, dict) or not all(
+                is_int(k) and is_num(v) for k, v in self.logit_bias.items())):
+            return "logit_bias must map integer token ids to numbers"
         return None
 
     @property

@@ -17,6 +17,7 @@ Sockets are not thread-safe: each object here is used from one thread.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,8 @@ from typing import Any
 import zmq
 
 from shared import codec
+
+log = logging.getLogger(__name__)
 
 # High-water marks, in messages. The engine's PUB must never block the tick loop:
 # it drops instead, which the per-topic sequence numbers turn into a loud failure.
@@ -50,10 +53,22 @@ def ipc_path(addr: str) -> str | None:
     return addr[len("ipc://"):] if addr.startswith("ipc://") else None
 
 
+def bind_address(addr: str) -> str:
+    """Where to bind: ``tcp://:PORT`` (no host) means loopback, ``tcp://127.0.0.1:PORT``;
+    reaching other hosts takes an explicit host (``tcp://0.0.0.0:PORT``)."""
+    if addr.startswith("tcp://:"):
+        return "tcp://127.0.0.1:" + addr[len("tcp://:"):]
+    return addr
+
+
 def _bind(sock: zmq.Socket, addr: str) -> None:
     path = ipc_path(addr)
     if path:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    addr = bind_address(addr)
+    host = addr[len("tcp://"):].rsplit(":", 1)[0] if addr.startswith("tcp://") else ""
+    if host and host not in ("127.0.0.1", "localhost", "[::1]"):
+        log.warning("binding %s: reachable from other hosts (the engine has no authentication)", addr)
     sock.bind(addr)
 
 
@@ -123,14 +138,17 @@ class ClientChannel:
         self.push = ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.SNDHWM, PUSH_SNDHWM)
         self.push.setsockopt(zmq.LINGER, 0)
-        self.push.connect(input_addr)
+        # Queue nothing for an engine that is not connected: a submit while the engine
+        # is down fails at once instead of reaching the restarted engine much later.
+        self.push.setsockopt(zmq.IMMEDIATE, 1)
+        self.push.connect(bind_address(input_addr))
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         if broadcast is not None:
             self.sub.setsockopt(zmq.SUBSCRIBE, broadcast)
-        self.sub.connect(output_addr)
+        self.sub.connect(bind_address(output_addr))
         self._topics = {topic} if broadcast is None else {topic, broadcast}
         self._expected: dict[bytes, int] = {}
 
