@@ -127,3 +127,22 @@ def test_unimplemented_prefill_modes_fail_loud(tiny_llama):
     for mode in ("mixed_batch", "disaggregated"):
         with pytest.raises(NotImplementedError):
             make_scheduler(tiny_llama, prefill_mode=mode)
+
+
+def test_a_failing_prefill_fails_only_its_row(tiny_llama):
+    sched = make_scheduler(tiny_llama, prefill_mode="chunked", prefill_chunk_size=4)
+    good = make_request(_prompts(8, 1)[0], max_tokens=5, ignore_eos=True)
+    bad = make_request(_prompts(9, 1)[0], max_tokens=5, ignore_eos=True)
+    inner = sched.backend.prefill_chunk
+
+    def flaky(row_id, token_ids, start_pos, compute_logits):
+        if row_id == bad.request_id:
+            raise RuntimeError("boom")
+        return inner(row_id, token_ids, start_pos, compute_logits)
+
+    sched.backend.prefill_chunk = flaky
+    outs = run_until_idle(sched, {0: [good, bad]})
+    assert outs[bad.request_id][-1].finish_reason is FinishReason.ERROR
+    assert "boom" in outs[bad.request_id][-1].error
+    assert len(tokens_of(outs[good.request_id])) == 5
+    assert sched.active_kv_reserved == 0 and sched.block_pool.num_used_blocks == 0
