@@ -106,8 +106,9 @@ class SchedulingPolicy(ABC):
         """Drop a waiting request (abort, hard-reject); ``False`` if it was not waiting."""
 
     def on_tokens_processed(self, req: Request, prompt_tokens: int, output_tokens: int) -> None:
-        """``req`` just had ``prompt_tokens`` uncached prompt tokens prefilled and/or
-        ``output_tokens`` tokens decoded (counts in tokens)."""
+        """Charge ``req`` for ``prompt_tokens`` uncached prompt tokens (the scheduler
+        reports the whole prompt once, at admission) and/or ``output_tokens`` decoded
+        tokens (after every decode step). Counts in tokens."""
 
     def on_request_admitted(self, req: Request) -> None:
         """``req`` left ``_pending`` (after ``pick_next``) for prefill/decode."""
@@ -180,9 +181,8 @@ class FairPolicy(SchedulingPolicy):
     The paper's bound: for two clients that stay backlogged over an interval, VTC keeps
     the difference in their weighted service within ``2 · max(w_p · L_input, w_q · M)``
     (``L_input``: longest prompt; ``M``: most tokens a running batch holds). It is proved
-    for the paper's model (prompt charged at admission, every output token charged per
-    step); here prompt tokens are charged per prefill chunk and prefix-cache hits are
-    free, so treat the bound as a guide, not a guarantee.
+    for the paper's model, which this follows (the uncached prompt is charged at
+    admission, every output token per step); prefix-cache hits are free here.
 
     ``peek_next`` / ``pick_next`` scan the sessions with waiting work: O(#sessions).
     Counters are kept for every session ever seen.

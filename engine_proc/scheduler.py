@@ -236,6 +236,9 @@ class Scheduler:
             req.params, req.prompt_token_ids, self.eos_token_ids, self.backend.device)
         req.status = RequestStatus.PREFILLING
         self.policy.on_request_admitted(req)
+        # VTC charges the whole uncached prompt at admission (as the paper does), not per
+        # chunk: charging per chunk let one session take every slot freed in a tick.
+        self.policy.on_tokens_processed(req, req.prompt_len - req.num_cached_tokens, 0)
         self._prefilling.append(req)
         if self.prefill_mode is PrefillMode.MONOLITHIC:
             self._prefilling.remove(req)
@@ -269,7 +272,6 @@ class Scheduler:
         last = end == req.prompt_len
         logits = self.backend.prefill_chunk(req.request_id, req.prompt_token_ids[start:end], start, last)
         req.num_computed_tokens = end
-        self.policy.on_tokens_processed(req, end - start, 0)
         if not last:
             return False
         if self.prefix_caching:

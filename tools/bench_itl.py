@@ -1,0 +1,276 @@
+"""Chunked prefill vs monolithic: how long do running streams stall when a long prompt arrives?
+
+The scheduler card's "Chunked prefill" claim, measured in-process on the real model
+(no HTTP, no ZeroMQ): ``N_STREAMS`` (8) greedy streams are decoding; then one
+``LONG_LEN``-token (~4,000) prompt arrives. From its arrival until its first token we
+record, per tick, the wall time between consecutive tokens of the 8 running streams
+(inter-token latency, ITL), plus the long prompt's time to first token (TTFT).
+Monolithic prefill runs the whole prompt inside one tick, so every stream stalls for
+all of it; chunked prefill (version A) feeds one PREFILL_CHUNK_SIZE chunk per tick
+alongside the decode batch.
+
+Baseline: ``monolithic`` in the same run; each chunked mode is reported as ratios
+against it. A token's time is when ``Scheduler.step()`` returns the tick that made it
+(the moment the engine would send it).
+
+Usage:
+    python tools/bench_itl.py                                  # monolithic vs chunked 256
+    python tools/bench_itl.py --chunk-sizes 128 256 512 \\
+        --out bench-results/itl.json --plot bench-results/itl.png
+    python tools/bench_itl.py --long-len 1000 --chunk-sizes 256  # quick look
+
+An unrecorded full-size monolithic run goes first (the first run in a process is slower).
+At the defaults the whole script takes about 3 minutes on 2 CPU cores. Prints one JSON
+summary on stdout (progress on stderr). Every loop is bounded by a tick count and
+``--max-seconds``; one monolithic tick cannot be interrupted part-way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+
+import _bench_common as bc
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--long-len", type=int, default=4000, help="tokens in the long prompt")
+    ap.add_argument("--streams", type=int, default=8, help="streams decoding when it arrives")
+    ap.add_argument("--stream-prompt-len", type=int, default=32, help="tokens in each stream's prompt")
+    ap.add_argument("--chunk-sizes", type=int, nargs="+", default=[256],
+                    help="PREFILL_CHUNK_SIZE values to run in chunked mode")
+    ap.add_argument("--warmup-ticks", type=int, default=6, help="decode ticks before the long prompt arrives")
+    ap.add_argument("--tail-ticks", type=int, default=6, help="ticks recorded after its first token")
+    ap.add_argument("--max-model-len", type=int, default=4608)
+    ap.add_argument("--max-batch-size", type=int, default=16)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--torch-threads", type=int, default=0, help="0 → the engine's default (cores - 1)")
+    ap.add_argument("--quick-warmup", action="store_true",
+                    help="warm up on a 1,024-token prefill instead of a full unrecorded run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-seconds", type=float, default=600, help="wall-clock budget for the whole run")
+    ap.add_argument("--out", help="also write the JSON summary here")
+    ap.add_argument("--plot", help="write a PNG of ITL over time, one line per mode")
+    return ap.parse_args(argv)
+
+
+def engine_config(args, mode: str, chunk: int):
+    from shared.config import EngineConfig
+
+    config = EngineConfig(device=args.device, max_model_len=args.max_model_len,
+                          max_batch_size=args.max_batch_size, prefill_mode=mode,
+                          prefill_chunk_size=chunk, torch_threads=args.torch_threads, seed=args.seed)
+    problems = config.problems()
+    if problems:
+        raise SystemExit("bad configuration: " + "; ".join(problems))
+    return config
+
+
+def warm_up(model, args, deadline: bc.Deadline) -> None:
+    """An unrecorded monolithic run at full size. The first run in a process is
+    markedly slower (the allocator first reaching the peak footprint: measured 11.4 s
+    vs 8.2 s TTFT for the same 2,000-token prefill), so nothing measured goes first.
+    ``--quick-warmup``: a 1,024-token prefill instead (biased against the first mode)."""
+    from engine_proc.engine import build_scheduler
+
+    if not args.quick_warmup:
+        run_mode(model, args, "monolithic", 0, deadline, tail_ticks=2)
+        return
+    sched = build_scheduler(engine_config(args, "monolithic", 0), model)
+    rng = random.Random(args.seed + 99)
+    vocab = model.config.vocab_size
+    sched.add_request(bc.make_request(bc.random_prompt(rng, min(args.long_len, 1024), vocab), 4))
+    sched.add_request(bc.make_request(bc.random_prompt(rng, args.stream_prompt_len, vocab), 4))
+    for _ in range(10):
+        if not sched.has_work():
+            break
+        sched.step()
+
+
+def run_mode(model, args, mode: str, chunk: int, deadline: bc.Deadline, tail_ticks: int | None = None) -> dict:
+    """One measurement: streams decode, the long prompt arrives, tick until its first
+    token plus ``tail_ticks``. Returns the mode's summary (times in ms / s)."""
+    from engine_proc.engine import build_scheduler
+
+    tail_ticks = args.tail_ticks if tail_ticks is None else tail_ticks
+    name = mode if mode == "monolithic" else f"chunked-{chunk}"
+    sched = build_scheduler(engine_config(args, mode, chunk), model)
+    vocab = model.config.vocab_size
+    rng = random.Random(args.seed)  # same prompts in every mode
+    prefill_ticks = 1 if mode == "monolithic" else -(-args.long_len // chunk)
+    stream_max = args.streams + args.warmup_ticks + prefill_ticks + tail_ticks + 8
+    streams = [bc.make_request(bc.random_prompt(rng, args.stream_prompt_len, vocab), stream_max,
+                               request_id=f"s{i}") for i in range(args.streams)]
+    long_req = bc.make_request(bc.random_prompt(rng, args.long_len, vocab), tail_ticks + 2,
+                               request_id="long")
+    stream_ids = {r.request_id for r in streams}
+    token_times: dict[str, list[float]] = {r.request_id: [] for r in streams}
+    ticks: list[dict] = []  # one per tick: end time, duration, phase, prompt tokens computed
+
+    def prompt_done() -> int:
+        return min(long_req.num_computed_tokens, args.long_len)
+
+    def tick(phase: str) -> list:
+        before = prompt_done()
+        t0 = time.perf_counter()
+        outputs = sched.step()
+        t1 = time.perf_counter()
+        got = [o for _, o in outputs]
+        for o in got:
+            if o.request_id in stream_ids:
+                token_times[o.request_id].extend([t1] * len(o.token_ids))
+        ticks.append({"t_end": t1, "dur_ms": (t1 - t0) * 1e3, "phase": phase,
+                      "long_prompt_tokens": prompt_done() - before,
+                      "batch": len(sched._active)})
+        return got
+
+    for r in streams:
+        sched.add_request(r)
+    # Warm-up: until every stream is decoding (chunked mode admits one prompt per
+    # tick), then warmup_ticks steady decode ticks: the baseline ITL.
+    steady_from = None
+    for _ in range(args.warmup_ticks + args.streams + 4):
+        tick("warmup" if steady_from is None else "before")
+        if steady_from is None and all(token_times.values()):
+            steady_from = ticks[-1]["t_end"]
+        if all(len(v) > args.warmup_ticks for v in token_times.values()):
+            break
+    if steady_from is None:
+        raise RuntimeError(f"{name}: the {args.streams} streams did not all start decoding")
+    cpu_at_arrival = time.process_time()
+    arrival = time.perf_counter()
+    sched.add_request(long_req)
+    first_token = None
+    cpu_share = None
+    max_ticks = prefill_ticks + tail_ticks + 8
+    for _ in range(max_ticks):
+        if deadline.expired():
+            bc.log(f"{name}: out of time, stopping early")
+            break
+        got = tick("window" if first_token is None else "after")
+        if first_token is None and any(o.request_id == "long" and o.token_ids for o in got):
+            first_token = ticks[-1]["t_end"]
+            cpu_share = (time.process_time() - cpu_at_arrival) / (first_token - arrival)
+        if first_token is not None and sum(t["phase"] == "after" for t in ticks) >= tail_ticks:
+            break
+    for rid in list(sched._requests):  # free the rows (the scheduler is dropped next)
+        sched.abort_request(rid)
+
+    def itls(lo: float, hi: float) -> list[float]:
+        """Per-stream gaps (ms) ending at a token made in (lo, hi]."""
+        out = []
+        for times in token_times.values():
+            out += [(b - a) * 1e3 for a, b in zip(times, times[1:]) if lo < b <= hi]
+        return out
+
+    inf = float("inf")
+    window_end = first_token if first_token is not None else inf
+    # A tick's ITL is the gap since the previous tick ended, what every running stream
+    # saw (ticks run back to back, so it is the tick's duration plus loop overhead).
+    prev_end = [ticks[0]["t_end"] - ticks[0]["dur_ms"] / 1e3] + [t["t_end"] for t in ticks[:-1]]
+    per_tick = [{"t_s": round(t["t_end"] - arrival, 4), "itl_ms": round((t["t_end"] - p) * 1e3, 2),
+                 "phase": t["phase"], "long_prompt_tokens": t["long_prompt_tokens"], "batch": t["batch"]}
+                for t, p in zip(ticks, prev_end)]
+    summary = {
+        "mode": name,
+        "prefill_mode": mode,
+        "chunk_size": chunk if mode == "chunked" else None,
+        "long_prompt_tokens": args.long_len,
+        "streams": args.streams,
+        "long_ttft_s": round(first_token - arrival, 3) if first_token is not None else None,
+        "ticks_to_first_token": sum(t["phase"] == "window" for t in ticks),
+        # CPU seconds this process used per wall second until the first token: about
+        # torch_threads when the machine is quiet, lower when others compete for it.
+        "cpu_s_per_wall_s_window": round(cpu_share, 3) if cpu_share is not None else None,
+        "itl_window_ms": bc.summarize(itls(arrival, window_end)),
+        "itl_before_ms": bc.summarize(itls(steady_from, arrival)),
+        "itl_after_ms": bc.summarize(itls(window_end, inf)),
+        "ticks": per_tick,
+    }
+    w, b = summary["itl_window_ms"], summary["itl_before_ms"]
+    summary["window_p99_over_steady_p50"] = bc.ratio(w["p99"], b["p50"])
+    bc.log(f"{name}: TTFT {summary['long_ttft_s']}s, window ITL p50 {w['p50']} ms p99 {w['p99']} ms "
+           f"(steady {b['p50']} ms; cpu/wall {summary['cpu_s_per_wall_s_window']})")
+    return summary
+
+
+def plot(results: list[dict], path: str) -> None:
+    """ITL per tick as steps: each tick's gap is drawn over the interval it lasted."""
+    plt = bc.pyplot()
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    for res in results:
+        shown = [t for t in res["ticks"] if t["phase"] != "warmup"]
+        ts = [t["t_s"] for t in shown]
+        ys = [t["itl_ms"] for t in shown]
+        line, = ax.plot(ts, ys, drawstyle="steps-pre", marker="o", markersize=3, linewidth=1.3,
+                        label=f"{res['mode']} (long prompt TTFT {res['long_ttft_s']} s)")
+        if res["long_ttft_s"] is not None:
+            ax.axvline(res["long_ttft_s"], color=line.get_color(), linestyle="--", linewidth=0.9)
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.annotate("long prompt arrives", (0, 1), xycoords=("data", "axes fraction"), xytext=(4, -12),
+                textcoords="offset points", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel("seconds since the long prompt arrived (dashed: its first token)")
+    ax.set_ylabel("inter-token latency of the running streams (ms, log)")
+    first = results[0]
+    ax.set_title(f"{first['long_prompt_tokens']}-token prompt arriving while "
+                 f"{first['streams']} streams decode: ITL per tick")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    bc.log(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    bc.sigterm_as_interrupt()
+    env = bc.machine_info("start")
+    deadline = bc.Deadline(args.max_seconds)
+    model = bc.load_real_model(engine_config(args, "monolithic", 0))
+    if args.long_len + args.tail_ticks + 2 > min(args.max_model_len, model.config.max_position_embeddings):
+        raise SystemExit("--long-len does not fit in --max-model-len")
+    bc.log("warm-up run (not recorded)")
+    warm_up(model, args, deadline)
+    results = []
+    for mode, chunk in [("monolithic", 0)] + [("chunked", c) for c in args.chunk_sizes]:
+        if deadline.expired():
+            bc.log(f"out of time: skipping {mode} {chunk or ''}")
+            continue
+        results.append(run_mode(model, args, mode, chunk, deadline))
+    base = results[0]
+    comparisons = {}
+    for res in results[1:]:
+        comparisons[res["mode"]] = {
+            "itl_window_p99_ratio": bc.ratio(res["itl_window_ms"]["p99"], base["itl_window_ms"]["p99"]),
+            "itl_window_max_ratio": bc.ratio(res["itl_window_ms"]["max"], base["itl_window_ms"]["max"]),
+            "itl_window_p50_ratio": bc.ratio(res["itl_window_ms"]["p50"], base["itl_window_ms"]["p50"]),
+            "long_ttft_ratio": bc.ratio(res["long_ttft_s"], base["long_ttft_s"]),
+        }
+    summary = {
+        "benchmark": "itl_chunked_prefill",
+        "baseline": "monolithic (same run)",
+        "streams": args.streams,
+        "stream_prompt_len": args.stream_prompt_len,
+        "long_prompt_len": args.long_len,
+        "window": "ITL samples are per-stream gaps ending at a token made after the long prompt "
+                  "arrived and no later than the tick that made its first token",
+        "env": {**env, **bc.machine_info("end"), **bc.torch_info()},
+        "vs_monolithic": comparisons,
+        "modes": results,
+    }
+    if args.plot:
+        plot(results, args.plot)
+    bc.emit(summary, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        bc.log("interrupted")
+        sys.exit(130)
