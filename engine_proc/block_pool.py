@@ -257,6 +257,41 @@ class BlockPool:
         self._prefix_hits += num_cached
         return hit_ids + fresh
 
+    def extend_prefix_hit(self, row_id: str, token_ids: Sequence[int]) -> int:
+        """Swap the row's next fresh blocks for cached ones committed since its allocate.
+
+        For a row that has written nothing beyond its cached prefix yet (a prompt admitted
+        in the same tick as another sharing its prefix, whose blocks were committed while
+        this row waited to prefill). Each block that now hits replaces the row's own
+        unwritten block, which goes back to the free-queue front (it holds nothing).
+        Returns the number of tokens newly reused (a multiple of ``block_size``).
+        Raises KeyError for an unknown row.
+        """
+        row = self._rows[row_id]
+        if not self.enable_prefix_caching or len(row.hashes) * self.block_size != row.num_cached_tokens:
+            return 0
+        bs = self.block_size
+        max_hits = min(self._max_hit_blocks(token_ids), row.num_slots // bs)
+        added = 0
+        for i in range(len(row.hashes), max_hits):
+            parent = row.hashes[-1] if row.hashes else None
+            h = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+            b = self._cached.get(h)
+            if b is None:
+                break
+            own = row.block_ids[i]
+            self._take(b)
+            self._ref_cnt[own] -= 1
+            if self._ref_cnt[own] == 0:
+                self._free[own] = None
+                self._free.move_to_end(own, last=False)
+            row.block_ids[i] = b
+            row.hashes.append(h)
+            row.num_cached_tokens += bs
+            added += bs
+        self._prefix_hits += added
+        return added
+
     def append_slots(self, row_id: str, num_new_tokens: int) -> list[int]:
         """Grow the row's table to cover ``num_slots + num_new_tokens`` slots (decode).
 

@@ -267,19 +267,30 @@ class Scheduler:
 
     def _run_prefill(self, req: Request, max_tokens: int) -> bool:
         """Compute up to ``max_tokens`` prompt tokens of ``req``; True once complete."""
+        if self.prefix_caching and req.num_computed_tokens == req.num_cached_tokens:
+            self._late_prefix_hit(req)
         start = req.num_computed_tokens
         end = min(req.prompt_len, start + max_tokens)
         last = end == req.prompt_len
         logits = self.backend.prefill_chunk(req.request_id, req.prompt_token_ids[start:end], start, last)
         req.num_computed_tokens = end
+        if self.prefix_caching:  # rows behind this one can reuse these blocks right away
+            self.block_pool.commit_full_blocks(req.request_id, req.prompt_token_ids[:end])
         if not last:
             return False
-        if self.prefix_caching:
-            self.block_pool.commit_full_blocks(req.request_id, req.prompt_token_ids)
         sample = self.sampler(logits.unsqueeze(0), [self._sampling[req.request_id]])
         self._promote_to_decode(req)
         self._append_token(req, sample.token_ids[0], sample.logprobs[0])
         return True
+
+    def _late_prefix_hit(self, req: Request) -> None:
+        """Before a row's first prefill chunk, reuse blocks that a row sharing its prefix
+        committed after this one was admitted (same-tick arrivals, ``n`` samples)."""
+        extra = self.block_pool.extend_prefix_hit(req.request_id, req.prompt_token_ids)
+        if extra:
+            req.num_cached_tokens += extra
+            req.num_computed_tokens += extra
+            self.policy.on_tokens_processed(req, -extra, 0)  # cached tokens are not charged
 
     def _promote_to_decode(self, req: Request) -> None:
         """The one door from prefill into the decode batch (the disaggregation seam)."""

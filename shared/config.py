@@ -61,7 +61,7 @@ class EngineConfig:
     kv_budget_tokens: int = _opt(0, "gate 2: sum of prompt_len + max_tokens over _active; 0 → kv_block_size · kv_num_blocks")
     kv_block_size: int = _opt(16, "tokens per KV cache block")
     kv_num_blocks: int = _opt(0, "blocks in the pool; 0 → enough for max_batch_size full-context rows, capped at 8192")
-    backend: str = _opt("hf", "hf | paged")
+    backend: str = _opt("paged", "paged (KV in the block pool, prefix caching) | hf (DynamicCache, left-padded)")
     prefix_caching: bool = _opt(True, "reuse cached KV blocks of shared prompt prefixes (paged backend only)")
     max_model_len: int = _opt(2048, "context window in tokens (prompt + output); capped by the model's own")
     torch_threads: int = _opt(0, "torch intra-op threads; 0 → all cores but one")

@@ -420,3 +420,22 @@ BlockPoolMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_block_pool_state_machine = BlockPoolMachine.TestCase
+
+
+def test_extend_prefix_hit_swaps_unwritten_blocks_for_newly_cached_ones():
+    pool = BlockPool(num_blocks=10, block_size=4)
+    prompt = list(range(100, 111))  # 2 full blocks + 3 tokens
+    first = pool.allocate("a", prompt, 12)
+    second = pool.allocate("b", prompt, 12)  # same tick: nothing cached yet
+    assert pool.num_cached_tokens("b") == 0 and set(first).isdisjoint(second)
+    pool.commit_full_blocks("a", prompt)  # a's prefill wrote its prompt
+    assert pool.extend_prefix_hit("b", prompt) == 8
+    assert pool.block_table("b")[:2] == first[:2] and pool.num_cached_tokens("b") == 8
+    assert pool.ref_count(first[0]) == 2
+    assert pool.extend_prefix_hit("b", prompt) == 0  # idempotent
+    pool.check_invariants()
+    assert pool.num_used_blocks == 4  # b's two replaced blocks went back to the pool
+    pool.free("a")
+    pool.free("b")
+    pool.check_invariants()
+    assert pool.num_free_blocks == 10

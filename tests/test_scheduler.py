@@ -32,14 +32,15 @@ def test_alone_equals_generate(tiny_llama, mode, chunk):
     assert outs[req.request_id][-1].finish_reason is FinishReason.LENGTH
 
 
+@pytest.mark.parametrize("backend", ["paged", "hf"])
 @pytest.mark.parametrize("mode,chunk", [("monolithic", 0), ("chunked", 5)])
-def test_batched_with_joins_and_leaves_matches_alone(tiny_llama, mode, chunk):
+def test_batched_with_joins_and_leaves_matches_alone(tiny_llama, mode, chunk, backend):
     """Eight requests of different prompt lengths join mid-stream and leave at
     different lengths; each one's tokens equal its solo run, and its logits equal the
     teacher-forced reference at every step."""
     prompts = _prompts(2, 8)
     max_tokens = [3, 17, 9, 1, 12, 6, 20, 2]
-    sched = make_scheduler(tiny_llama, prefill_mode=mode, prefill_chunk_size=chunk)
+    sched = make_scheduler(tiny_llama, prefill_mode=mode, prefill_chunk_size=chunk, backend=backend)
     reqs = [make_request(pr, max_tokens=m, ignore_eos=True) for pr, m in zip(prompts, max_tokens)]
     arrivals = {0: reqs[:3], 2: reqs[3:5], 5: reqs[5:7], 9: reqs[7:]}
     outs = run_until_idle(sched, arrivals)
@@ -47,7 +48,7 @@ def test_batched_with_joins_and_leaves_matches_alone(tiny_llama, mode, chunk):
     for req in reqs:
         toks = tokens_of(outs[req.request_id])
         assert len(toks) == req.params.max_tokens
-        solo = make_scheduler(tiny_llama, prefill_mode=mode, prefill_chunk_size=chunk)
+        solo = make_scheduler(tiny_llama, prefill_mode=mode, prefill_chunk_size=chunk, backend=backend)
         solo_req = make_request(req.prompt_token_ids, max_tokens=req.params.max_tokens, ignore_eos=True)
         assert tokens_of(run_until_idle(solo, {0: [solo_req]})[solo_req.request_id]) == toks
         assert_matches_reference(tiny_llama, req.prompt_token_ids, toks, sched.backend.logits[req.request_id])
@@ -66,12 +67,13 @@ def test_decode_batch_holds_many_rows(tiny_llama):
     assert max(sizes) == 4  # never more than MAX_BATCH_SIZE, and batching happened
 
 
+@pytest.mark.parametrize("backend", ["paged", "hf"])
 @pytest.mark.parametrize("mode,chunk", [("monolithic", 0), ("chunked", 4)])
-def test_first_token_streamed_for_one_token_request(tiny_llama, mode, chunk):
+def test_first_token_streamed_for_one_token_request(tiny_llama, mode, chunk, backend):
     """The card's ordering invariant: a request admitted in a tick has its first token
     streamed, even when that token ends it (max_tokens=1, or a stop token)."""
     prompt = _prompts(4, 1)[0]
-    sched = make_scheduler(tiny_llama, prefill_mode=mode, prefill_chunk_size=chunk)
+    sched = make_scheduler(tiny_llama, prefill_mode=mode, prefill_chunk_size=chunk, backend=backend)
     one = make_request(prompt, max_tokens=1)
     outs = run_until_idle(sched, {0: [one]})
     assert len(tokens_of(outs[one.request_id])) == 1
@@ -79,7 +81,7 @@ def test_first_token_streamed_for_one_token_request(tiny_llama, mode, chunk):
     # A stop token id on the very first token.
     first = tokens_of(outs[one.request_id])[0]
     stopper = make_request(prompt, max_tokens=10, stop_token_ids=[first])
-    sched2 = make_scheduler(tiny_llama, prefill_mode=mode, prefill_chunk_size=chunk)
+    sched2 = make_scheduler(tiny_llama, prefill_mode=mode, prefill_chunk_size=chunk, backend=backend)
     outs2 = run_until_idle(sched2, {0: [stopper]})
     assert tokens_of(outs2[stopper.request_id]) == [first]
     assert outs2[stopper.request_id][-1].finish_reason is FinishReason.STOP

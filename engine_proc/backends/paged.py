@@ -1,0 +1,374 @@
+"""Paged backend: every row's KV lives in fixed-size blocks named by the block pool.
+
+KV layout, one K and one V tensor per decoder layer (model dtype)::
+
+    cache[layer]   [num_blocks + 1, block_size, kv_heads, head_dim]
+                    block ids 0 .. num_blocks-1 come from BlockPool block tables;
+                    block num_blocks is the null block: zeros, pads gathers, never written
+
+    row "a", block_size 4, table [7, 3, 12], seq_len 9 (KV of positions 0..8 written)
+
+    position   0  1  2  3 | 4  5  6  7 | 8  .  .  .
+    block      7            3            12 (partial)
+    slot(p) = table[p // 4] * 4 + p % 4          e.g. slot(5) = 3 * 4 + 1 = 13
+
+No left padding anywhere: each row keeps its own ``seq_len`` (tokens whose KV is
+written) and is fed at its true positions. The model runs with no transformers
+cache; attention is the function :func:`paged_attention`, registered under
+:data:`ATTN_IMPLEMENTATION` through transformers' ``AttentionInterface``. Each
+forward hands it a :class:`PagedForward` (block tables, slots, lengths) through the
+model's forward kwargs, which transformers passes down to the attention function::
+
+    model(input_ids, position_ids, paged_forward=PagedForward(...))
+      └─ LlamaAttention ─► paged_attention(module, q, k, v, mask, paged_forward=...)
+                             ① write k, v of the new tokens into their slots
+                             ② attend over the row's KV [0, seq_len + q), causal in the chunk
+
+Without ``paged_forward`` (the HF backend or a plain ``model(...)`` on the same model
+object) the function is transformers' SDPA attention with transformers' SDPA mask,
+so switching a model to this implementation changes nothing for other callers.
+
+Prefix caching needs nothing special here: a row that hit the cache starts its first
+``prefill_chunk`` at ``start_pos = pool.num_cached_tokens(row)``, and the hit blocks
+already hold that KV (written by the row that committed them). Blocks of a new row
+past its cached prefix are zeroed once when the row starts, so the masked tail of a
+partially written block is finite (the pool's tensor is allocated with ``empty``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from engine_proc.backends.base import Backend
+from engine_proc.block_pool import BlockPool, cdiv
+
+ATTN_IMPLEMENTATION = "tickserve_paged"
+"""Name of :func:`paged_attention` in transformers' attention registry."""
+
+
+class PagedKVCache:
+    """The K/V tensors of every layer, addressed by block id (see the module docstring).
+
+    ``null_block`` (the last block) is all zeros: gathers pad short rows with it.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device):
+        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
+        self.block_size = block_size
+        self.null_block = num_blocks
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.zero_blocks([self.null_block])
+
+    def zero_blocks(self, block_ids: Sequence[int]) -> None:
+        if not block_ids:
+            return
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.keys[0].device)
+        for cache in self.keys + self.values:
+            cache.index_fill_(0, idx, 0)
+
+    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store ``key``/``value`` ``[B, kv_heads, q, head_dim]`` at flat ``slots`` ``[B * q]``
+        (row-major: row 0's q tokens first)."""
+        kvh, dim = key.shape[1], key.shape[3]
+        self.keys[layer].view(-1, kvh, dim).index_copy_(0, slots, key.transpose(1, 2).reshape(-1, kvh, dim))
+        self.values[layer].view(-1, kvh, dim).index_copy_(0, slots, value.transpose(1, 2).reshape(-1, kvh, dim))
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the blocks ``block_tables`` ``[B, n]``, as ``[B, kv_heads, n * block_size,
+        head_dim]`` views (token ``t`` of row ``b`` at ``[b, :, t]``)."""
+        b, n = block_tables.shape
+        flat = block_tables.reshape(-1)
+        k = self.keys[layer].index_select(0, flat)
+        v = self.values[layer].index_select(0, flat)
+        kvh, dim = k.shape[2], k.shape[3]
+        return (k.view(b, n * self.block_size, kvh, dim).transpose(1, 2),
+                v.view(b, n * self.block_size, kvh, dim).transpose(1, 2))
+
+    def gather_row(self, layer: int, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one row's first ``length`` tokens (``block_ids`` ``[n]`` covers them),
+        as ``[kv_heads, length, head_dim]`` views."""
+        k = self.keys[layer].index_select(0, block_ids)
+        v = self.values[layer].index_select(0, block_ids)
+        kvh, dim = k.shape[2], k.shape[3]
+        return (k.view(-1, kvh, dim)[:length].transpose(0, 1),
+                v.view(-1, kvh, dim)[:length].transpose(0, 1))
+
+
+class DecodeAttention(str, enum.Enum):
+    """How a decode step attends (both give the same numbers).
+
+    BATCHED: one SDPA call over every row's KV gathered into ``[B, kv_heads, W, head_dim]``,
+    padded to the longest row with the null block, plus a key mask. One kernel launch
+    per layer: the choice on CUDA/MPS.
+    PER_ROW: one SDPA call per row over exactly its own KV. On CPU attention is bound by
+    memory traffic, and padding to the longest row moves more bytes than the loop costs:
+    measured ~2× faster there (32 rows of 50..1000 tokens, SmolLM2 shapes, 1 thread:
+    ~8 vs ~16 ms per layer), so it is the CPU choice.
+    """
+
+    BATCHED = "batched"
+    PER_ROW = "per_row"
+
+
+@dataclass
+class PagedForward:
+    """Per-forward metadata for :func:`paged_attention`, built once and shared by every layer.
+
+    Two shapes of batch:
+
+    * prefill: one row, ``q`` new tokens at positions ``[start, start + q)``.
+    * decode: ``B`` rows, one new token each, row ``i`` at position ``seq_lens[i] - 1``.
+
+    ``slots``: ``[B * q]`` flat cache slots of the new tokens. ``block_tables``: ``[B, n]``
+    block ids covering each row's KV after this forward, padded with the null block.
+    ``seq_lens``: ``[B]`` KV length of each row after this forward (tokens).
+    ``start``: prefill only, the chunk's first position.
+    ``decode_attention``: decode only, the kernel choice; ``key_mask`` (BATCHED only),
+    ``[B, 1, 1, n * block_size]`` bool, True where a key exists.
+    """
+
+    cache: PagedKVCache
+    slots: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: list[int]
+    is_prefill: bool
+    start: int = 0
+    decode_attention: DecodeAttention = DecodeAttention.BATCHED
+    key_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def row_blocks(self, i: int) -> torch.Tensor:
+        """Row ``i``'s block ids ``[n_i]``, exactly covering its ``seq_lens[i]`` tokens."""
+        return self.block_tables[i, : cdiv(self.seq_lens[i], self.cache.block_size)]
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None = None,
+                    dropout: float = 0.0, paged_forward: PagedForward | None = None,
+                    **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention over a paged KV cache (transformers' attention-function signature).
+
+    ``query`` ``[B, heads, q, head_dim]``; ``key``/``value`` ``[B, kv_heads, q, head_dim]``
+    of the new tokens only. Returns ``([B, q, heads, head_dim], None)``. Without
+    ``paged_forward`` it is transformers' SDPA attention.
+    """
+    if paged_forward is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    meta = paged_forward
+    layer = module.layer_idx
+    meta.cache.write(layer, meta.slots, key, value)
+    if meta.is_prefill:
+        out = _prefill_attention(meta, layer, query, key, value, scaling)
+    else:
+        out = _decode_attention(meta, layer, query, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _prefill_attention(meta: PagedForward, layer: int, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """One row, ``q`` tokens from ``meta.start``: causal over ``[0, start + q)``."""
+    gqa = query.shape[1] != key.shape[1]
+    if meta.start == 0:  # nothing earlier: the new tokens are the whole KV
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                              enable_gqa=gqa)
+    length = meta.seq_lens[0]
+    k, v = meta.cache.gather_row(layer, meta.row_blocks(0), length)
+    q_len = query.shape[2]
+    q_pos = torch.arange(meta.start, meta.start + q_len, device=query.device)
+    mask = torch.arange(length, device=query.device)[None, :] <= q_pos[:, None]  # [q, length]
+    return F.scaled_dot_product_attention(query, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                                          scale=scaling, enable_gqa=gqa)
+
+
+def _decode_attention(meta: PagedForward, layer: int, query: torch.Tensor,
+                      scaling: float | None) -> torch.Tensor:
+    """``B`` rows, one query token each (see :class:`DecodeAttention`). ``[B, heads, 1, dim]``.
+
+    GQA is folded into the query axis: the ``heads / kv_heads`` query heads sharing a
+    KV head become that head's "query tokens" (``[kv_heads, group, head_dim]``), so
+    K/V are never repeated and a key mask broadcasts over heads and group.
+    """
+    batch, heads, _, dim = query.shape
+    kv_heads = meta.cache.keys[layer].shape[2]
+    q = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    if meta.decode_attention is DecodeAttention.BATCHED:
+        k, v = meta.cache.gather(layer, meta.block_tables)  # [B, kv_heads, W, head_dim]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.key_mask, scale=scaling)
+        return out.reshape(batch, heads, 1, dim)
+    out = torch.empty_like(q)
+    for i, length in enumerate(meta.seq_lens):
+        k, v = meta.cache.gather_row(layer, meta.row_blocks(i), length)  # [kv_heads, L, head_dim]
+        out[i] = F.scaled_dot_product_attention(q[i], k, v, scale=scaling)
+    return out.reshape(batch, heads, 1, dim)
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+# The model's mask builder then behaves as for "sdpa" (callers without paged metadata
+# get exactly SDPA); with paged metadata there is no padding mask and no cache, so it
+# returns None and costs nothing.
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def _check_supported(config, max_model_len: int) -> None:
+    """:func:`paged_attention` is plain causal softmax attention over the whole row: refuse
+    models that need more (a sliding window shorter than the context, logit soft-capping)."""
+    window = getattr(config, "sliding_window", None)
+    sliding = getattr(config, "use_sliding_window", True) or "sliding_attention" in (
+        getattr(config, "layer_types", None) or [])
+    if window and sliding and window < max_model_len:
+        raise NotImplementedError(f"sliding-window attention ({window} tokens) is not supported by the "
+                                  "paged backend; use --backend hf")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise NotImplementedError("attention logit soft-capping is not supported by the paged backend; "
+                                  "use --backend hf")
+
+
+@dataclass
+class _Row:
+    block_ids: list[int]  # the pool's table (covers the row's whole reservation)
+    seq_len: int  # tokens whose KV is written
+
+
+class PagedBackend(Backend):
+    """Prefill per row, decode batched; KV in a :class:`PagedKVCache` indexed by the
+    block tables of ``block_pool`` (read-only here: the scheduler allocates and frees)."""
+
+    def __init__(self, model: torch.nn.Module, max_model_len: int, block_pool: BlockPool,
+                 decode_attention: DecodeAttention | str | None = None):
+        """``decode_attention``: None picks PER_ROW on CPU, BATCHED elsewhere. Raises
+        NotImplementedError for a model whose attention this backend would get wrong."""
+        config = model.config
+        _check_supported(config, max_model_len)
+        self.model = model
+        param = next(model.parameters())
+        self.device = param.device
+        self.vocab_size = config.vocab_size
+        self.max_model_len = max_model_len
+        self.block_pool = block_pool
+        self.block_size = block_pool.block_size
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.cache = PagedKVCache(config.num_hidden_layers, block_pool.num_blocks, self.block_size,
+                                  num_kv_heads, head_dim, param.dtype, self.device)
+        if decode_attention is None:
+            decode_attention = DecodeAttention.PER_ROW if self.device.type == "cpu" else DecodeAttention.BATCHED
+        self.decode_attention = DecodeAttention(decode_attention)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise NotImplementedError(f"{type(model).__name__} cannot switch its attention function "
+                                      "(AttentionInterface); use --backend hf")
+        self._rows: dict[str, _Row] = {}
+        self._decode: list[str] = []  # decode batch order
+
+    # ------------------------------------------------------------------ prefill
+
+    @torch.inference_mode()
+    def prefill_chunk(self, row_id, token_ids, start_pos, compute_logits):
+        row = self._rows.get(row_id) or self._start_row(row_id)
+        if row.seq_len != start_pos:
+            raise ValueError(f"row {row_id}: KV holds {row.seq_len} tokens, chunk starts at {start_pos}")
+        n = len(token_ids)
+        end = start_pos + n
+        self._check_room(row_id, row, end)
+        slots = self._slots(row.block_ids, range(start_pos, end))
+        meta = PagedForward(
+            cache=self.cache, slots=slots, is_prefill=True, start=start_pos, seq_lens=[end],
+            block_tables=torch.tensor([row.block_ids[: cdiv(end, self.block_size)]], device=self.device))
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        pos = torch.arange(start_pos, end, device=self.device).unsqueeze(0)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, paged_forward=meta)
+        row.seq_len = end
+        return out.logits[0, -1].float() if compute_logits else None
+
+    def _start_row(self, row_id: str) -> _Row:
+        """A row's first chunk: its table from the pool; KV already holds the cached prefix."""
+        block_ids = self.block_pool.block_table(row_id)
+        cached = self.block_pool.num_cached_tokens(row_id)
+        self.cache.zero_blocks(block_ids[cached // self.block_size:])
+        row = self._rows[row_id] = _Row(block_ids, cached)
+        return row
+
+    def promote(self, row_id):
+        if row_id not in self._rows or row_id in self._decode:
+            raise ValueError(f"row {row_id} is not a prefilled row")
+        self._decode.append(row_id)
+
+    # ------------------------------------------------------------------ decode
+
+    @torch.inference_mode()
+    def decode_step_batched(self, row_ids, token_ids, positions):
+        if list(row_ids) != self._decode:
+            raise ValueError("decode rows differ from the promoted rows")
+        rows = [self._rows[r] for r in row_ids]
+        bs = self.block_size
+        slots, tables, lens = [], [], []
+        for rid, row, pos in zip(row_ids, rows, positions):
+            if pos != row.seq_len:
+                raise ValueError(f"row {rid}: KV holds {row.seq_len} tokens, token fed at position {pos}")
+            self._check_room(rid, row, pos + 1)
+            slots.append(row.block_ids[pos // bs] * bs + pos % bs)
+            tables.append(row.block_ids[: pos // bs + 1])
+            lens.append(pos + 1)
+        width = max(len(t) for t in tables)
+        null = self.cache.null_block
+        block_tables = torch.tensor([t + [null] * (width - len(t)) for t in tables], device=self.device)
+        meta = PagedForward(cache=self.cache, slots=torch.tensor(slots, device=self.device),
+                            block_tables=block_tables, seq_lens=lens, is_prefill=False,
+                            decode_attention=self.decode_attention)
+        if self.decode_attention is DecodeAttention.BATCHED:
+            seq_lens = torch.tensor(lens, device=self.device)
+            key_mask = torch.arange(width * bs, device=self.device)[None, :] < seq_lens[:, None]
+            meta.key_mask = key_mask[:, None, None, :]
+        batch = len(rows)
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device).view(batch, 1)
+        pos = torch.tensor(list(positions), dtype=torch.long, device=self.device).view(batch, 1)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, paged_forward=meta)
+        for row in rows:
+            row.seq_len += 1
+        return out.logits[:, -1].float()
+
+    # ------------------------------------------------------------------ release
+
+    def release(self, row_id):
+        if self._rows.pop(row_id, None) is not None and row_id in self._decode:
+            self._decode.remove(row_id)
+
+    def kv_length(self):
+        """Longest decode row's KV, in tokens (drops when that row leaves)."""
+        return max((self._rows[r].seq_len for r in self._decode), default=0)
+
+    def seq_len(self, row_id: str) -> int:
+        """Tokens of ``row_id`` whose KV is written. KeyError for an unknown row."""
+        return self._rows[row_id].seq_len
+
+    @property
+    def num_decode_rows(self) -> int:
+        return len(self._decode)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_room(self, row_id: str, row: _Row, num_tokens: int) -> None:
+        """The pool's table must cover ``num_tokens``; refresh it if the pool grew it."""
+        if num_tokens > len(row.block_ids) * self.block_size:
+            old = len(row.block_ids)
+            row.block_ids = self.block_pool.block_table(row_id)
+            self.cache.zero_blocks(row.block_ids[old:])
+            if num_tokens > len(row.block_ids) * self.block_size:
+                raise ValueError(f"row {row_id}: {num_tokens} tokens exceed its "
+                                 f"{len(row.block_ids)} blocks")
+
+    def _slots(self, block_ids: list[int], positions: range) -> torch.Tensor:
+        bs = self.block_size
+        table = torch.tensor(block_ids, device=self.device)
+        pos = torch.arange(positions.start, positions.stop, device=self.device)
+        return table[pos // bs] * bs + pos % bs
