@@ -15,7 +15,7 @@ no row in the batch needs is skipped entirely, so an all-greedy batch costs one
                            logit > 0 → logit / p, else logit · p
     4. presence/frequency  OpenAI: logit -= frequency · count + presence · (count > 0),
                            counts over output tokens only
-    5. greedy rows         (temperature == 0) → argmax
+    5. greedy rows         (temperature < 1e-5) → argmax
     6. other rows          / temperature → top_k → top_p → min_p → sample
                            (top_k keeps ties with the k-th logit; top_p keeps the
                            smallest most-likely set with mass ≥ top_p, never empty;

@@ -1,33 +1,43 @@
 """The HTTP frontend: OpenAI-compatible endpoints on Starlette.
 
-Per request: validate (pydantic) → tokenize / chat template → submit each choice to
-the engine and wait for its ack (a rejection becomes 429/400/503 *before* any SSE
-byte) → detokenize incrementally, apply stop strings, stream SSE or collect.
+Per request: read the body (size-limited) → validate (pydantic, then the request's
+``problem()``, then what needs the tokenizer and the engine's limits) → tokenize /
+chat template → submit each choice to the engine and wait for its ack (a rejection
+becomes 429/400/503 *before* any SSE byte) → detokenize incrementally, apply stop
+strings, stream SSE or collect. Nothing reaches the engine before the whole request
+is known to be valid, so a rejected request leaves no trace there.
+
 A client that disconnects, or a stop string that matches, aborts the engine row.
+If the engine fails or goes away mid-request, a stream ends with an SSE error event
+and ``data: [DONE]``, a non-stream request gets 503, and ``/health`` says 503 until
+an engine is back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hmac
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from frontend.detokenizer import TextStream
+from frontend.detokenizer import TextStream, token_bytes_of
 from frontend.engine_client import EngineClient, EngineUnavailable, Rejected, RequestStream
-from frontend.schemas import (DEFAULT_MAX_TOKENS_COMPLETIONS, ChatCompletionRequest, CompletionRequest,
-                              DetokenizeRequest, TokenizeRequest, error_body)
+from frontend.schemas import (DEFAULT_MAX_TOKENS_COMPLETIONS, ChatCompletionRequest, ChatMessage,
+                              CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body)
 from shared import protocol as p
 from shared.config import FrontendConfig
 
@@ -35,12 +45,20 @@ log = logging.getLogger("tickserve.frontend")
 
 VERSION = "0.1.0"
 
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error", 503: "service_unavailable"}
+_PARAM_NAMES = {f.name for f in dataclasses.fields(p.SamplingParams)}
+
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+    """An answer other than 2xx, rendered in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, type_: str | None = None,
                  param: str | None = None, code: Any = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or _ERROR_TYPES.get(status, "server_error")
         self.headers = headers or {}
 
     def response(self) -> JSONResponse:
@@ -48,11 +66,39 @@ class HTTPError(Exception):
                             status_code=self.status, headers=self.headers)
 
 
+def _unavailable(message: str, code: str = "engine_unavailable") -> HTTPError:
+    return HTTPError(503, message, "service_unavailable", code=code, headers={"Retry-After": "1"})
+
+
 def _reject_error(reason: p.RejectReason) -> HTTPError:
     status = reason.code.http_status
     headers = {"Retry-After": "1"} if status in (429, 503) else {}
-    type_ = {429: "rate_limit_error", 503: "service_unavailable", 400: "invalid_request_error"}[status]
-    return HTTPError(status, reason.message, type_, code=reason.code.value, headers=headers)
+    param = "max_tokens" if reason.code is p.RejectCode.CONTEXT_LENGTH else None
+    return HTTPError(status, reason.message, param=param, code=reason.code.value, headers=headers)
+
+
+class EngineError(Exception):
+    """The engine failed a request mid-generation, or went away (died, restarted,
+    lost messages). Either way the request cannot finish: HTTP 503 before the
+    headers, an SSE error event after them."""
+
+    def __init__(self, message: str, unavailable: bool):
+        super().__init__(message)
+        self.unavailable = unavailable
+
+    def http_error(self) -> HTTPError:
+        return _unavailable(str(self), "engine_unavailable" if self.unavailable else "engine_error")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected."""
+
+
+@dataclass
+class PromptInfo:
+    token_ids: list[int]
+    text: str
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -64,16 +110,12 @@ class ChoiceState:
     prompt_index: int
     stream: RequestStream
     text: TextStream
+    include_stop: bool  # include_stop_str_in_output: the stop token's text stays too
+    stop_token_ids: frozenset[int]
     completion_tokens: int = 0
     finish_reason: str | None = None
-    logprobs: list[p.TokenLogprob] = field(default_factory=list)
-
-
-@dataclass
-class PromptInfo:
-    token_ids: list[int]
-    text: str
-    cached_tokens: int = 0
+    stop_reason: str | int | None = None  # vLLM: the stop string or stop token id that matched
+    text_offset: int = 0  # characters of logprob tokens sent so far (completions' text_offset)
 
 
 class Frontend:
@@ -85,61 +127,99 @@ class Frontend:
         self.client = client
         self.model_name = model_name
         self.draining = False
+        self.vocab_size = len(tokenizer)
+        self._token_bytes = token_bytes_of(tokenizer)
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ request parsing
 
     @property
     def max_model_len(self) -> int:
         welcome = self.client.welcome
         return welcome.max_model_len if welcome else 2048
 
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it is known to exceed the limit."""
+        limit = self.config.max_body_bytes
+        too_large = HTTPError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientGone() from None
+        return b"".join(chunks)
+
     async def _parse(self, request: Request, schema):
-        body = await request.body()
-        if len(body) > self.config.max_body_bytes:
-            raise HTTPError(413, f"request body exceeds {self.config.max_body_bytes} bytes")
+        raw = await self._read_body(request)
         try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise HTTPError(400, f"request body is not valid JSON: {exc}") from None
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, huge integers, deep nesting
+            raise HTTPError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
         if not isinstance(data, dict):
-            raise HTTPError(400, "request body must be a JSON object")
+            raise HTTPError(400, "the request body must be a JSON object")
+        if b"\\u" in raw:
+            _check_unicode(data)
         try:
-            return schema.model_validate(data)
+            body = schema.model_validate(data)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            param = ".".join(str(x) for x in err["loc"]) or None
-            raise HTTPError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+            raise _validation_error(exc) from None
+        problem = body.problem()
+        if problem:
+            raise HTTPError(400, problem[1], param=problem[0])
+        return body
 
     def _check_model(self, body) -> None:
         if body.model not in (None, "", self.model_name):
             raise HTTPError(404, f"the model {body.model!r} does not exist; this server serves "
-                                 f"{self.model_name!r}", "not_found_error", "model", "model_not_found")
+                                 f"{self.model_name!r}", param="model", code="model_not_found")
+
+    def _check_ids(self, ids, param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise HTTPError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                            param=param)
 
     def _max_tokens(self, body, prompt_len: int, default: int | None) -> int:
         limit = self.max_model_len
         if prompt_len >= limit:
             raise HTTPError(400, f"this model's maximum context length is {limit} tokens; the prompt "
-                                 f"has {prompt_len}", param="prompt", code="context_length_exceeded")
+                                 f"has {prompt_len}", param="messages" if hasattr(body, "messages") else "prompt",
+                            code="context_length_exceeded")
         asked = body.max_new_tokens
         if asked is None:
             return min(default, limit - prompt_len) if default else limit - prompt_len
         if prompt_len + asked > limit:
+            param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
             raise HTTPError(400, f"this model's maximum context length is {limit} tokens; the request "
                                  f"asks for {prompt_len + asked} ({prompt_len} in the prompt, {asked} to "
-                                 "generate)", param="max_tokens", code="context_length_exceeded")
+                                 "generate)", param=param, code="context_length_exceeded")
         return asked
 
-    def _check_ids(self, ids: list[int], param: str) -> None:
-        vocab = len(self.tokenizer)
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise HTTPError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param=param)
+    def _params(self, body, prompt: PromptInfo, default_max: int | None, logprobs: int | None
+                ) -> p.SamplingParams:
+        """The engine parameters for one prompt, checked against the vocabulary and
+        the context window (HTTP 400 otherwise)."""
+        max_tokens = self._max_tokens(body, len(prompt.token_ids), default_max)
+        self._check_ids(body.logit_bias_ids, "logit_bias")
+        self._check_ids(body.stop_token_ids or [], "stop_token_ids")
+        params = body.sampling_params(max_tokens, logprobs, self.vocab_size)
+        problem = params.validate()
+        if problem:
+            name = problem.split(" ", 1)[0]
+            raise HTTPError(400, problem, param=name if name in _PARAM_NAMES else None)
+        return params
 
     def _prompts(self, body: CompletionRequest) -> list[PromptInfo]:
         prompt = body.prompt
         if isinstance(prompt, str):
             items: list = [prompt]
-        elif prompt and isinstance(prompt[0], int):
+        elif isinstance(prompt[0], int):
             items = [prompt]
         else:
             items = list(prompt)
@@ -157,62 +237,80 @@ class Frontend:
             out.append(PromptInfo(ids, text))
         return out
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> PromptInfo:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool | None = None,
+                     add_special_tokens: bool = False) -> PromptInfo:
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False,
-                add_generation_prompt=True if body.add_generation_prompt is None else body.add_generation_prompt)
+                conversation, tokenize=False,
+                add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt)
         except Exception as exc:  # template errors are the client's messages
             raise HTTPError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if not ids:
+            raise HTTPError(400, "the chat prompt is empty after tokenization", param="messages")
         return PromptInfo(ids, text)
 
-    async def _start_choices(self, request: Request, body, prompts: list[PromptInfo], n: int,
-                             max_tokens_default: int | None, logprobs: int | None) -> list[ChoiceState]:
-        """Submit every (prompt, sample) pair; all-or-nothing: a rejection aborts the rest."""
+    # ------------------------------------------------------------------ generation
+
+    async def _start_choices(self, request: Request, body, plans: list[tuple[PromptInfo, p.SamplingParams]],
+                             n: int) -> list[ChoiceState]:
+        """Submit every (prompt, sample) pair; all-or-nothing: a rejection aborts the rest.
+
+        Sample ``j`` of a seeded request runs with ``seed + j``: the choices differ, and
+        the same request gives the same choices again.
+        """
         if self.draining:
-            raise HTTPError(503, "the server is shutting down", "service_unavailable",
-                            headers={"Retry-After": "1"})
+            raise _unavailable("the server is shutting down", "shutting_down")
         choices: list[ChoiceState] = []
         skip_special = True if body.skip_special_tokens is None else body.skip_special_tokens
+        include_stop = bool(body.include_stop_str_in_output)
         # Fair/VTC accounting unit: explicit session_id, the X-Session-Id header, or OpenAI's `user`.
         session = body.session_id or request.headers.get("x-session-id") or body.user
         try:
-            for pi, prompt in enumerate(prompts):
-                max_tokens = self._max_tokens(body, len(prompt.token_ids), max_tokens_default)
-                params = body.sampling_params(max_tokens, logprobs)
-                problem = params.validate()
-                if problem:
-                    raise HTTPError(400, problem)
+            for pi, (prompt, params) in enumerate(plans):
                 for j in range(n):
-                    if params.seed is not None and n > 1:
-                        params_j = p.SamplingParams(**{**params.__dict__, "seed": params.seed + j})
-                    else:
-                        params_j = params
+                    params_j = params
+                    if params.seed is not None and j:
+                        params_j = dataclasses.replace(params, seed=params.seed + j)
                     rid = self.client.new_request_id()
                     stream = await self.client.submit(rid, prompt.token_ids, params_j,
-                                                      session_id=session,
-                                                      priority=body.priority or 0)
-                    text = TextStream(self.tokenizer, stop=body.stop_strings,
-                                      include_stop_str_in_output=bool(body.include_stop_str_in_output),
-                                      skip_special_tokens=skip_special)
-                    choices.append(ChoiceState(len(choices), rid, pi, stream, text))
+                                                      session_id=session, priority=body.priority or 0)
+                    text = TextStream(self.tokenizer, stop=body.stop_strings, prompt_token_ids=prompt.token_ids,
+                                      include_stop_str_in_output=include_stop,
+                                      skip_special_tokens=skip_special, min_tokens=params.min_tokens)
+                    choices.append(ChoiceState(len(choices), rid, pi, stream, text, include_stop,
+                                               frozenset(params.stop_token_ids)))
         except Rejected as exc:
-            self.client.abort([c.request_id for c in choices])
+            self._abort(choices)
             raise _reject_error(exc.reason) from None
         except EngineUnavailable as exc:
-            self.client.abort([c.request_id for c in choices])
-            raise HTTPError(503, str(exc), "service_unavailable", headers={"Retry-After": "1"}) from None
+            self._abort(choices)
+            raise _unavailable(str(exc)) from None
         except BaseException:
-            self.client.abort([c.request_id for c in choices])
+            self._abort(choices)
             raise
         return choices
+
+    def _abort(self, choices: list[ChoiceState]) -> None:
+        """Abort these choices' engine rows. Skipped when there are none, or no engine
+        is up (its rows died with it): a send nobody takes blocks the event loop for
+        the send timeout."""
+        if choices and self.client.is_up:
+            self.client.abort([c.request_id for c in choices])
+
+    def _engine_error(self, message: str) -> EngineError:
+        gone = not self.client.is_up or message.startswith(("engine unavailable", "lost messages"))
+        return EngineError(message, unavailable=gone)
 
     async def _events(self, choices: list[ChoiceState], prompts: list[PromptInfo]
                       ) -> AsyncIterator[tuple[ChoiceState, str, list[p.TokenLogprob]]]:
         """Merge the choices' engine streams into ``(choice, text_delta, logprobs)``
-        events; the final event of a choice has ``choice.finish_reason`` set."""
+        events; the final event of a choice has ``choice.finish_reason`` set.
+
+        Raises :class:`EngineError` when the engine fails a choice. Leaving early (an
+        error, a cancelled client) aborts every choice not finished yet.
+        """
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(choice: ChoiceState) -> None:
@@ -228,23 +326,31 @@ class Frontend:
                     continue  # stopped by a stop string already; late tokens are dropped
                 if out.num_cached_tokens:
                     prompts[choice.prompt_index].cached_tokens = out.num_cached_tokens
-                delta, stopped = choice.text.push(out.token_ids)
-                choice.completion_tokens += len(out.token_ids)
-                lps = list(out.logprobs or [])
-                if out.error:
+                if out.error or out.finish_reason is p.FinishReason.ERROR:
                     choice.finish_reason = "error"
-                    raise EngineError(out.error)
+                    raise self._engine_error(out.error or "the engine failed the request")
+                ids = out.token_ids
+                stop_token = out.finish_reason is p.FinishReason.STOP and bool(ids)
+                # As vLLM: the EOS / stop token that ended the row is not text, unless
+                # include_stop_str_in_output asks for it.
+                delta, stopped = choice.text.push(ids[:-1] if stop_token and not choice.include_stop else ids)
+                choice.completion_tokens += len(ids)
+                lps = list(out.logprobs or [])
                 if stopped:
                     choice.finish_reason = "stop"
-                    self.client.abort([choice.request_id])
+                    choice.stop_reason = choice.text.matched_stop
+                    self._abort([choice])
                 elif out.finish_reason is not None:
                     delta += choice.text.flush()
                     if choice.text.stopped:  # a stop string that only matched at the end
                         choice.finish_reason = "stop"
+                        choice.stop_reason = choice.text.matched_stop
                     elif out.finish_reason is p.FinishReason.ABORT:
                         choice.finish_reason = "abort"
                     else:
                         choice.finish_reason = out.finish_reason.value
+                        if stop_token and ids[-1] in choice.stop_token_ids:
+                            choice.stop_reason = ids[-1]
                 if choice.finish_reason is not None:
                     remaining -= 1
                 if delta or lps or choice.finish_reason is not None:
@@ -252,11 +358,10 @@ class Frontend:
         finally:
             for t in tasks:
                 t.cancel()
-            unfinished = [c.request_id for c in choices if c.finish_reason is None]
-            if unfinished:
-                self.client.abort(unfinished)
+            self._abort([c for c in choices if c.finish_reason is None])
 
     def _usage(self, prompts: list[PromptInfo], choices: list[ChoiceState]) -> dict:
+        """Prompt tokens once per prompt (not per sample); completion tokens summed."""
         prompt_tokens = sum(len(pr.token_ids) for pr in prompts)
         completion = sum(c.completion_tokens for c in choices)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
@@ -265,24 +370,28 @@ class Frontend:
 
     # ------------------------------------------------------------------ logprob formats
 
-    def _token_str(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _token_str(self, token_id: int, as_ids: bool) -> str:
+        return f"token_id:{token_id}" if as_ids else self.tokenizer.decode([token_id])
 
-    def _completion_logprobs(self, lps: list[p.TokenLogprob], offset: int) -> dict:
+    def _completion_logprobs(self, choice: ChoiceState, lps: list[p.TokenLogprob], as_ids: bool) -> dict:
+        """OpenAI's legacy shape; ``text_offset`` continues across stream chunks."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for lp in lps:
-            s = self._token_str(lp.token_id)
+            s = self._token_str(lp.token_id, as_ids)
             tokens.append(s)
             token_lps.append(lp.logprob)
-            tops.append({self._token_str(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)})
-            offsets.append(offset)
-            offset += len(s)
+            tops.append({self._token_str(t, as_ids): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)})
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def _chat_logprobs(self, lps: list[p.TokenLogprob]) -> list[dict]:
+    def _chat_logprobs(self, lps: list[p.TokenLogprob], as_ids: bool) -> list[dict]:
+        """OpenAI's ``logprobs.content``; ``bytes`` are the token's own bytes (a piece
+        of a UTF-8 character where the tokenizer split one)."""
         def entry(tid: int, v: float) -> dict:
-            s = self._token_str(tid)
-            return {"token": s, "logprob": v, "bytes": list(s.encode())}
+            s = self._token_str(tid, as_ids)
+            raw = self._token_bytes(tid) if self._token_bytes and not as_ids else s.encode()
+            return {"token": s, "logprob": v, "bytes": list(raw)}
 
         return [{**entry(lp.token_id, lp.logprob),
                  "top_logprobs": [entry(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)]}
@@ -294,30 +403,32 @@ class Frontend:
         body: CompletionRequest = await self._parse(request, CompletionRequest)
         self._check_model(body)
         prompts = self._prompts(body)
-        n = body.n or 1
-        choices = await self._start_choices(request, body, prompts, n, DEFAULT_MAX_TOKENS_COMPLETIONS,
-                                            body.logprobs)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
+        plans = [(pr, self._params(body, pr, DEFAULT_MAX_TOKENS_COMPLETIONS, body.logprobs)) for pr in prompts]
+        choices = await self._start_choices(request, body, plans, body.n or 1)
+        base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name}
         echo = bool(body.echo)
+        as_ids = bool(body.return_tokens_as_token_ids)
+        usage_chunks = bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
-        def chunk(choice: ChoiceState, text: str, lps: list, finish: str | None) -> dict:
+        def choice_body(choice: ChoiceState, text: str, lps: list) -> dict:
             return {"index": choice.index, "text": text,
-                    "logprobs": self._completion_logprobs(lps, 0) if body.logprobs is not None else None,
-                    "finish_reason": finish}
+                    "logprobs": self._completion_logprobs(choice, lps, as_ids) if body.logprobs is not None
+                    else None,
+                    "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
-        base = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         if body.stream:
             async def sse():
-                started = set()
+                started: set[int] = set()
                 async for choice, delta, lps in self._events(choices, prompts):
                     if echo and choice.index not in started:
                         delta = prompts[choice.prompt_index].text + delta
                     started.add(choice.index)
-                    yield _sse({**base, "choices": [chunk(choice, delta, lps, choice.finish_reason)]})
-                if body.stream_options and body.stream_options.include_usage:
+                    chunk = {**base, "choices": [choice_body(choice, delta, lps)]}
+                    yield _sse({**chunk, "usage": None} if usage_chunks else chunk)
+                if usage_chunks:
                     yield _sse({**base, "choices": [], "usage": self._usage(prompts, choices)})
-            return self._sse_response(request, sse(), choices)
+            return self._sse_response(sse())
 
         texts: dict[int, list[str]] = {c.index: [] for c in choices}
         all_lps: dict[int, list] = {c.index: [] for c in choices}
@@ -329,33 +440,38 @@ class Frontend:
             text = "".join(texts[c.index])
             if echo:
                 text = prompts[c.prompt_index].text + text
-            out.append(chunk(c, text, all_lps[c.index], c.finish_reason))
+            out.append(choice_body(c, text, all_lps[c.index]))
         return JSONResponse({**base, "choices": out, "usage": self._usage(prompts, choices)})
 
     async def chat_completions(self, request: Request) -> Response:
         body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         self._check_model(body)
-        prompt = self._chat_prompt(body)
+        prompt = self._chat_prompt(body.messages, body.add_generation_prompt)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        choices = await self._start_choices(request, body, [prompt], body.n or 1, None, logprobs)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": self.model_name}
+        choices = await self._start_choices(request, body, [(prompt, self._params(body, prompt, None, logprobs))],
+                                            body.n or 1)
+        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": self.model_name}
+        as_ids = bool(body.return_tokens_as_token_ids)
+        usage_chunks = bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
         if body.stream:
+            def chunk(choice_body: dict) -> str:
+                c = {**base, "choices": [choice_body]}
+                return _sse({**c, "usage": None} if usage_chunks else c)
+
             async def sse():
                 for c in choices:  # OpenAI sends the role first
-                    yield _sse({**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}]})
+                    yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None})
                 async for choice, delta, lps in self._events(choices, [prompt]):
-                    d = {"content": delta} if delta else {}
-                    yield _sse({**base, "choices": [{
-                        "index": choice.index, "delta": d,
-                        "logprobs": {"content": self._chat_logprobs(lps)} if logprobs is not None else None,
-                        "finish_reason": choice.finish_reason}]})
-                if body.stream_options and body.stream_options.include_usage:
+                    yield chunk({"index": choice.index, "delta": {"content": delta} if delta else {},
+                                 "logprobs": {"content": self._chat_logprobs(lps, as_ids)}
+                                 if logprobs is not None else None,
+                                 "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
+                if usage_chunks:
                     yield _sse({**base, "choices": [], "usage": self._usage([prompt], choices)})
-            return self._sse_response(request, sse(), choices)
+            return self._sse_response(sse())
 
         texts: dict[int, list[str]] = {c.index: [] for c in choices}
         all_lps: dict[int, list] = {c.index: [] for c in choices}
@@ -366,25 +482,31 @@ class Frontend:
             **base, "object": "chat.completion",
             "choices": [{"index": c.index,
                          "message": {"role": "assistant", "content": "".join(texts[c.index])},
-                         "logprobs": {"content": self._chat_logprobs(all_lps[c.index])}
+                         "logprobs": {"content": self._chat_logprobs(all_lps[c.index], as_ids)}
                          if logprobs is not None else None,
-                         "finish_reason": c.finish_reason} for c in choices],
+                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
             "usage": self._usage([prompt], choices)})
 
-    def _sse_response(self, request: Request, events: AsyncIterator[str], choices) -> StreamingResponse:
+    def _sse_response(self, events: AsyncIterator[str]) -> StreamingResponse:
+        """Stream ``events``; whatever goes wrong after the headers ends the stream
+        with an error event, and every stream ends with ``data: [DONE]``."""
         async def body():
             try:
                 async for event in events:
                     yield event
             except EngineError as exc:
-                yield _sse(error_body(str(exc), "server_error", code="engine_error"))
+                err = exc.http_error()
+                yield _sse(error_body(err.message, err.type, code=err.code))
+            except Exception:
+                log.exception("stream failed")
+                yield _sse(error_body("internal error while streaming", "server_error", code="internal_error"))
             yield "data: [DONE]\n\n"
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _watch_disconnect(self, request: Request, events: AsyncIterator):
         """Iterate ``events``; if the client goes away, stop (the generator's cleanup
-        aborts the engine rows)."""
+        aborts the engine rows). An engine failure becomes HTTP 503."""
         disconnected = asyncio.Event()
 
         async def watch():
@@ -395,8 +517,8 @@ class Frontend:
                     return
 
         watcher = asyncio.create_task(watch())
+        it = events.__aiter__()
         try:
-            it = events.__aiter__()
             while True:
                 nxt = asyncio.ensure_future(it.__anext__())
                 done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -409,12 +531,12 @@ class Frontend:
                     nxt.cancel()
                     with contextlib.suppress(BaseException):
                         await nxt
-                    await it.aclose()
                     raise ClientGone()
         except EngineError as exc:
-            raise HTTPError(500, str(exc), "server_error", code="engine_error") from None
+            raise exc.http_error() from None
         finally:
             watcher.cancel()
+            await it.aclose()
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
@@ -435,14 +557,16 @@ class Frontend:
         try:
             data = await self.client.stats()
         except EngineUnavailable as exc:
-            raise HTTPError(503, str(exc), "service_unavailable") from None
+            raise _unavailable(str(exc)) from None
         return JSONResponse({**data, "frontend": {"frontend_id": self.client.frontend_id,
                                                   "in_flight": self.client.num_in_flight}})
 
     async def tokenize(self, request: Request) -> Response:
         body: TokenizeRequest = await self._parse(request, TokenizeRequest)
+        self._check_model(body)
         if body.messages is not None:
-            ids = self._chat_prompt(ChatCompletionRequest(messages=body.messages)).token_ids
+            ids = self._chat_prompt(body.messages, body.add_generation_prompt,
+                                    add_special_tokens=bool(body.add_special_tokens)).token_ids
         else:
             add = True if body.add_special_tokens is None else body.add_special_tokens
             ids = self.tokenizer.encode(body.prompt, add_special_tokens=add)
@@ -450,49 +574,80 @@ class Frontend:
 
     async def detokenize(self, request: Request) -> Response:
         body: DetokenizeRequest = await self._parse(request, DetokenizeRequest)
+        self._check_model(body)
         self._check_ids(body.tokens, "tokens")
         return JSONResponse({"prompt": self.tokenizer.decode(body.tokens)})
 
 
-class EngineError(Exception):
-    """The engine failed a request (or died) mid-generation."""
+def _check_unicode(data: Any) -> None:
+    """JSON ``\\ud800`` escapes decode to lone surrogates, which are not text: no
+    tokenizer or UTF-8 encoder accepts them. Refuse them here (HTTP 400)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise HTTPError(400, "the request body contains a lone UTF-16 surrogate (\\ud800-\\udfff "
+                             "escape); strings must be valid Unicode") from None
+    except RecursionError:
+        raise HTTPError(400, "the request body is nested too deeply") from None
 
 
-class ClientGone(Exception):
-    """The HTTP client disconnected."""
+def _validation_error(exc: ValidationError) -> HTTPError:
+    """Pydantic's first error as a 400 naming the top-level field (``param``)."""
+    err = exc.errors(include_url=False, include_input=False, include_context=False)[0]
+    loc = [str(x) for x in err["loc"]]
+    path = ".".join(loc)
+    msg = err["msg"].removeprefix("Value error, ")
+    message = f"{path}: {msg}" if path else msg
+    more = len(exc.errors()) - 1
+    if more:
+        message += f" (and {more} more error{'s' if more > 1 else ''})"
+    return HTTPError(400, message, param=loc[0] if loc else None)
 
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _authorized(request: Request, api_key: str) -> bool:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
 def _wrap(handler, frontend: Frontend):
+    """Auth (when an API key is configured), then the handler; every failure is an
+    OpenAI-shaped error, never a bare 500."""
     async def endpoint(request: Request) -> Response:
-        if frontend.config.api_key:
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {frontend.config.api_key}":
-                return HTTPError(401, "invalid or missing API key", "authentication_error",
-                                 code="invalid_api_key").response()
+        if frontend.config.api_key and not _authorized(request, frontend.config.api_key):
+            return HTTPError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}).response()
         try:
             return await handler(request)
         except HTTPError as exc:
             return exc.response()
         except ClientGone:
             return Response(status_code=499)
+        except Exception:
+            log.exception("%s %s failed", request.method, request.url.path)
+            return HTTPError(500, "internal server error", "server_error", code="internal_error").response()
     return endpoint
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 / 405 in OpenAI's error shape."""
+    assert isinstance(exc, HTTPException)
+    return HTTPError(exc.status_code, exc.detail, headers=dict(exc.headers or {})).response()
 
 
 def create_app(config: FrontendConfig, tokenizer, model_name: str,
                client: EngineClient | None = None) -> Starlette:
-    """The Starlette app. The engine client starts in the lifespan and the app waits
-    (bounded) for the engine's handshake; /health says 503 until it completes."""
+    """The Starlette app. The engine client starts in the lifespan; until its handshake
+    with the engine completes, /health and generation endpoints answer 503."""
     client = client or EngineClient(config)
     frontend = Frontend(config, tokenizer, client, model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        client.start(asyncio.get_running_loop())
-        await client.wait_ready(timeout=30.0)
+        client.start(asyncio.get_running_loop())  # /health is 503 until the handshake completes
         try:
             yield
         finally:
@@ -508,6 +663,6 @@ def create_app(config: FrontendConfig, tokenizer, model_name: str,
         Route("/version", frontend.version, methods=["GET"]),
         Route("/scheduler/stats", _wrap(frontend.scheduler_stats, frontend), methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_exception})
     app.state.frontend = frontend
     return app

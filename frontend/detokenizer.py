@@ -16,7 +16,7 @@ and pieces of text are held back only while the next tokens could still change t
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 _REPLACEMENT = "\ufffd"
@@ -142,6 +142,21 @@ def _byte_level_backend(tokenizer):
     if not stock_decode or not isinstance(backend.decoder, ByteLevel):
         return None
     return backend
+
+
+def token_bytes_of(tokenizer) -> Callable[[int], bytes] | None:
+    """For a byte-level BPE tokenizer, a function giving the exact bytes one token id
+    decodes to (a piece of a UTF-8 character included; ``b""`` for an unknown id);
+    ``None`` for any other tokenizer, whose tokens have no fixed bytes."""
+    backend = _byte_level_backend(tokenizer)
+    if backend is None:
+        return None
+
+    def token_bytes(token_id: int) -> bytes:
+        token = backend.id_to_token(token_id)
+        return b"" if token is None else _byte_level_token_bytes(token)
+
+    return token_bytes
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -413,6 +428,9 @@ class TextStream:
     flight before the engine handles the abort); ``push`` after ``flush`` raises
     ``RuntimeError``. ``text`` is everything sent so far. Guarantees and costs are
     those of :class:`IncrementalDetokenizer` and :class:`StopStringMatcher`.
+
+    ``min_tokens`` (vLLM's rule): stop strings are not looked for until that many ids
+    have been pushed; text that arrived before is sent as it is, whatever it contains.
     """
 
     def __init__(
@@ -423,9 +441,11 @@ class TextStream:
         prompt_token_ids: list[int] | None = None,
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self._matcher = StopStringMatcher(stop, include_stop_str_in_output)
+        self._min_tokens = min_tokens
         self._parts: list[str] = []
         self._flushed = False
 
@@ -449,9 +469,14 @@ class TextStream:
         """Append output ids; return the text safe to send and whether it stopped."""
         if self.stopped:
             return StopResult("", True)
-        result = self._matcher.push(self._detokenizer.push(token_ids))
+        text = self._detokenizer.push(token_ids)
+        result = self._matcher.push(text) if self._matching else StopResult(text, False)
         self._record(result.text)
         return result
+
+    @property
+    def _matching(self) -> bool:
+        return self._detokenizer.num_tokens >= self._min_tokens
 
     def flush(self) -> str:
         """End the stream (EOS, length, abort); return the rest of the text.
@@ -463,8 +488,10 @@ class TextStream:
         if self.stopped or self._flushed:
             return ""
         self._flushed = True
-        result = self._matcher.push(self._detokenizer.flush())
-        text = result.text + self._matcher.flush()
+        if not self._matching:
+            text = self._detokenizer.flush()
+        else:
+            text = self._matcher.push(self._detokenizer.flush()).text + self._matcher.flush()
         self._record(text)
         return text
 

@@ -90,9 +90,6 @@ class EngineClient:
         self._loop = loop
         self._thread.start()
 
-    async def wait_ready(self, timeout: float) -> bool:
-        return await asyncio.to_thread(self._up.wait, timeout)
-
     @property
     def is_up(self) -> bool:
         return self._up.is_set()
@@ -147,8 +144,8 @@ class EngineClient:
         """Tell the engine to drop these requests (idempotent, never raises)."""
         for rid in request_ids:
             self._streams.pop(rid, None)
-        try:
-            self._send(p.Abort(self.frontend_id, list(request_ids)), timeout_ms=200)
+        try:  # never wait: this runs on the event loop, and an absent engine has nothing to abort
+            self._send(p.Abort(self.frontend_id, list(request_ids)), timeout_ms=0)
         except Exception:
             log.debug("abort of %s not delivered", request_ids)
 

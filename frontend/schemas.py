@@ -4,18 +4,43 @@ Explicit ``null`` means "not set" everywhere. Unknown fields are ignored (client
 send vendor extensions). Ranges follow the OpenAI API; tickserve's extensions
 (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
 ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-``priority``, ``session_id``) follow vLLM's names.
+``return_tokens_as_token_ids``, ``priority``, ``session_id``) follow vLLM's names.
+
+Validation happens in three layers, each answering HTTP 400:
+
+1. types and ranges: the pydantic models below;
+2. combinations and features that are not supported: ``problem()`` of each request,
+   which returns ``(param, message)``;
+3. what needs the tokenizer or the engine's limits (token ids inside the vocabulary,
+   prompt + max_tokens inside the context): the HTTP layer (``frontend/app.py``).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from shared.protocol import SamplingParams
 
 DEFAULT_MAX_TOKENS_COMPLETIONS = 16  # OpenAI's default for /v1/completions
+# Below this a temperature means greedy (vLLM's _SAMPLING_EPS): logits / 1e-40 in float32
+# is a division by zero, and the NaN it makes would fail the engine's batch.
+GREEDY_TEMPERATURE = 1e-5
+MIN_REPETITION_PENALTY = 1e-6  # likewise: logits / penalty must stay finite in float32
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024  # stop matching costs O(length²) per delta: keep it bounded
+MAX_N = 16
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # what travels on the wire (msgpack)
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # the vocabulary bound is checked by the app
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() accepts "²"
+
+Problem = tuple[str, str]  # (param, message)
 
 
 class StreamOptions(BaseModel):
@@ -30,45 +55,34 @@ class _SamplingFields(BaseModel):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=2.0)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
-    n: Annotated[int, Field(ge=1, le=16)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
     session_id: str | None = None
-    priority: int | None = None
+    priority: Int64 | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_list(cls, v):
-        if isinstance(v, list):
-            if len(v) > 16:
-                raise ValueError("at most 16 stop strings")
-            if any(not s for s in v):
-                raise ValueError("stop strings must be non-empty")
-        elif v == "":
-            raise ValueError("stop strings must be non-empty")
-        return v
+    return_tokens_as_token_ids: bool | None = None  # vLLM: logprob tokens as "token_id:<id>"
 
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys(cls, v):
         if v is not None:
             for key in v:
-                if not key.lstrip("-").isdigit():
-                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+                if not _TOKEN_ID_KEY.fullmatch(key):
+                    raise ValueError(f"logit_bias keys must be token ids (decimal integers), got {key[:40]!r}")
         return v
 
     @property
@@ -77,18 +91,32 @@ class _SamplingFields(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): float(b) for k, b in (self.logit_bias or {}).items()}
+
+    def problem(self) -> Problem | None:
+        """A combination the server does not accept, as ``(param, message)``."""
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed when stream is true"
+        return None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+        """Engine parameters. ``top_k`` of the whole vocabulary or more means "off"; a
+        temperature below ``GREEDY_TEMPERATURE`` means greedy."""
+        top_k = None if self.top_k in (None, 0, -1) or self.top_k >= vocab_size else self.top_k
+        temperature = 1.0 if self.temperature is None else self.temperature
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
+            temperature=0.0 if temperature < GREEDY_TEMPERATURE else temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=None if self.top_k in (None, 0, -1) else self.top_k,
+            top_k=top_k,
             min_p=self.min_p or 0.0,
             seed=self.seed,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            logit_bias={int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None,
+            logit_bias=self.logit_bias_ids or None,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=bool(self.ignore_eos),
             min_tokens=self.min_tokens or 0,
@@ -96,7 +124,7 @@ class _SamplingFields(BaseModel):
         )
 
 
-Prompt = Union[str, list[str], list[int], list[list[int]]]
+Prompt = Union[str, list[str], list[TokenId], list[list[TokenId]]]
 
 
 class CompletionRequest(_SamplingFields):
@@ -104,6 +132,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -115,6 +144,15 @@ class CompletionRequest(_SamplingFields):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
+
+    def problem(self) -> Problem | None:
+        if self.best_of is not None and self.best_of > 1:
+            return "best_of", "best_of > 1 is not supported; use n for several samples"
+        if self.suffix:
+            return "suffix", "suffix (insertion) is not supported"
+        if self.echo and self.logprobs is not None:
+            return "logprobs", "echo with logprobs is not supported: prompt logprobs are not computed"
+        return super().problem()
 
 
 class TextPart(BaseModel):
@@ -134,45 +172,57 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)
+
+
+Messages = Annotated[list[ChatMessage], Field(min_length=1)]
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Messages
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool | None = None
-
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return self
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
 
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def problem(self) -> Problem | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs requires logprobs to be true"
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            return "response_format", "only response_format {\"type\": \"text\"} is supported"
+        if self.tools and self.tool_choice != "none":
+            return "tools", "tool calling is not supported (send tool_choice \"none\" or no tools)"
+        return super().problem()
 
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
+    messages: Messages | None = None
+    add_special_tokens: bool | None = None  # default: true for prompt, false for messages
+    add_generation_prompt: bool | None = None  # messages only; default true
 
-    @model_validator(mode="after")
-    def _one_input(self):
+    def problem(self) -> Problem | None:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
-        return self
+            return "prompt", "give exactly one of prompt or messages"
+        return None
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[TokenId]
+
+    def problem(self) -> Problem | None:
+        return None
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

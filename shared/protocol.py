@@ -19,7 +19,10 @@ Flow of one request::
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+
+GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is argmax
 
 
 class FinishReason(str, enum.Enum):
@@ -92,8 +95,10 @@ class SamplingParams:
             return "presence_penalty must be in [-2, 2]"
         if not -2.0 <= self.frequency_penalty <= 2.0:
             return "frequency_penalty must be in [-2, 2]"
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            return "repetition_penalty must be in (0, 2]"
+        if not 1e-6 <= self.repetition_penalty <= 2.0:
+            return "repetition_penalty must be in [1e-6, 2]"
+        if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
+            return "logit_bias values must be finite numbers"
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             return "min_tokens must be in [0, max_tokens]"
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
@@ -128,7 +133,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 sample greedily (as vLLM): dividing by them would
+        overflow float32 logits into inf/NaN."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True)

@@ -403,3 +403,15 @@ def test_masked_tokens_are_never_sampled(vocab, specs, logits_seed):
         for r, token in enumerate(out.token_ids):
             assert 0 <= token < vocab
             assert token not in masked[r // copies], (r, token, sorted(masked[r // copies]))
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    """A temperature that underflows in float32 must not divide logits into NaN."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 1000) * 3
+    rows = [RowSamplingState(SamplingParams(temperature=1e-40, seed=5), [1, 2, 3], [2], "cpu"),
+            RowSamplingState(SamplingParams(temperature=1e-7), [1, 2, 3], [2], "cpu")]
+    out = Sampler()(logits, rows)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert SamplingParams(repetition_penalty=1e-40).validate() is not None
+    assert SamplingParams(logit_bias={1: float("inf")}).validate() is not None
