@@ -15,6 +15,7 @@ Tick thread (holds the backend lock for the whole tick)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import queue
@@ -88,6 +89,9 @@ def build_scheduler(config: cfg.EngineConfig, model, on_left_pending=None) -> Sc
     Raises ``NotImplementedError`` for a prefill mode that is not built yet.
     """
     max_len = min(config.max_model_len, getattr(model.config, "max_position_embeddings", config.max_model_len))
+    if config.kv_num_blocks == 0 and config.kv_memory_fraction > 0:
+        config = dataclasses.replace(config, kv_num_blocks=blocks_for_memory(
+            model, config.kv_block_size, config.kv_memory_fraction))
     prefix_caching = config.backend == cfg.BackendName.PAGED.value and config.prefix_caching
     pool = BlockPool(config.resolved_num_blocks, config.kv_block_size, enable_prefix_caching=prefix_caching)
     backend = make_backend(config, model, max_len, pool)
@@ -95,6 +99,35 @@ def build_scheduler(config: cfg.EngineConfig, model, on_left_pending=None) -> Sc
                          output_weight=config.fair_output_weight)
     return Scheduler(config, backend, policy, pool, eos_ids_of(model),
                      prefix_caching=prefix_caching, on_left_pending=on_left_pending)
+
+
+def kv_bytes_per_block(model, block_size: int) -> int:
+    """Bytes of K and V for one block: 2 · layers · kv_heads · head_dim · block_size · dtype size."""
+    c = model.config
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    elem = next(model.parameters()).element_size()
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * block_size * elem
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free accelerator memory (CUDA), else MemAvailable from /proc/meminfo (bytes)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def blocks_for_memory(model, block_size: int, fraction: float) -> int:
+    """KV blocks that fit in ``fraction`` of the memory available now (at least 1)."""
+    device = next(model.parameters()).device
+    return max(1, int(available_memory_bytes(device) * fraction) // kv_bytes_per_block(model, block_size))
 
 
 def make_backend(config: cfg.EngineConfig, model, max_model_len: int, pool: BlockPool) -> Backend:
@@ -135,8 +168,9 @@ class EngineServer:
         self._stats: dict = scheduler.stats()
         self.fatal: BaseException | None = None
         scheduler._on_left_pending = self._count_left_pending
+        self._tick_thread = threading.Thread(target=self._tick_loop, name="engine-tick", daemon=True)
         self._threads = [threading.Thread(target=self._io_loop, name="engine-io", daemon=True),
-                         threading.Thread(target=self._tick_loop, name="engine-tick", daemon=True)]
+                         self._tick_thread]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -205,6 +239,9 @@ class EngineServer:
             log.exception("I/O thread failed")
             self.fatal = exc
             self.stop()
+        else:  # deliver what the tick thread said last (finishes, failures)
+            self._tick_thread.join(timeout=2)
+            self._forward_tick_frames()
 
     def _forward_tick_frames(self) -> None:
         while True:
@@ -314,7 +351,7 @@ class EngineServer:
 
     def _tick_loop(self) -> None:
         out = self.ctx.socket(zmq.PUSH)
-        out.setsockopt(zmq.LINGER, 0)
+        out.setsockopt(zmq.LINGER, 1000)  # let the I/O thread collect the last frames
         out.connect(TICK_OUT_ADDR + self.engine_id)
         try:
             while not self._stop.is_set():
