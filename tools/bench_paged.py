@@ -7,9 +7,9 @@ the same work. A token's time is when ``Scheduler.step()`` returns the tick that
 
 1. ``prefix``: ``--num-requests`` (32) requests share a ``--system-len`` (1,000) token
    system prompt, each followed by its own 16..64-token user part, ``--prefix-max-tokens``
-   (8) tokens out. Request 0 arrives first; the others arrive together when request 0
-   streams its first token (its prompt blocks are committed then: a request admitted
-   before that cannot hit them). Chunked prefill, engine defaults. Baseline: the same
+   (8) tokens out. ``--arrivals together`` (default): all arrive in the same tick, so
+   later rows reuse the blocks request 0 commits chunk by chunk; ``staggered``: request
+   0 first, the others when it streams its first token. Chunked prefill, engine defaults. Baseline: the same
    paged backend with ``prefix_caching`` off. Reports TTFT (mean, p50, p99) and
    throughput, and ``ratios`` (off / on for TTFT, on / off for throughput).
 2. ``decode``: ``--streams`` (32) requests with mixed prompt lengths (``--decode-prompt-min``
@@ -46,6 +46,8 @@ def parse_args(argv=None):
     ap.add_argument("--system-len", type=int, default=1000, help="prefix: tokens in the shared system prompt")
     ap.add_argument("--prefix-max-tokens", type=int, default=8, help="prefix: tokens generated per request")
     ap.add_argument("--prefill-chunk-size", type=int, default=256, help="prefix: PREFILL_CHUNK_SIZE")
+    ap.add_argument("--arrivals", choices=["together", "staggered"], default="together",
+                    help="prefix: all requests in one tick, or the rest after request 0's first token")
     ap.add_argument("--streams", type=int, default=32, help="decode: concurrent streams")
     ap.add_argument("--decode-prompt-min", type=int, default=64, help="decode: shortest prompt (tokens)")
     ap.add_argument("--decode-prompt-max", type=int, default=640, help="decode: longest prompt (tokens)")
@@ -145,7 +147,7 @@ def bench_prefix(model, args) -> dict:
         sched = build_scheduler(engine_config(args, backend="paged", prefix_caching=caching,
                                               prefill_chunk_size=args.prefill_chunk_size), model)
         t0 = time.perf_counter()
-        times = drive(sched, reqs[:1], reqs[1:], rest_after_first_token=True)
+        times = drive(sched, reqs[:1], reqs[1:], rest_after_first_token=args.arrivals == "staggered")
         wall = time.perf_counter() - t0
         name = "caching_on" if caching else "caching_off"
         results[name] = summarize_run(times, wall)
@@ -160,7 +162,7 @@ def bench_prefix(model, args) -> dict:
     results["setup"] = {"system_len": args.system_len, "num_requests": args.num_requests,
                         "user_len": "16..64", "max_tokens": args.prefix_max_tokens,
                         "prefill_chunk_size": args.prefill_chunk_size,
-                        "arrivals": "request 0, then the rest when request 0 streams its first token"}
+                        "arrivals": args.arrivals}
     return results
 
 
