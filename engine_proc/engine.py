@@ -39,7 +39,7 @@ from engine_proc.scheduler import Scheduler
 from shared import codec, config as cfg
 from shared import protocol as p
 from shared.protocol import BROADCAST_TOPIC
-from shared.transport import EngineInbound, EngineOutbound, ipc_path, topic_for
+from shared.transport import EngineInbound, EngineOutbound, Inbound, Outbound, ipc_path, topic_for
 
 log = logging.getLogger("tickserve.engine")
 
@@ -150,8 +150,8 @@ class EngineServer:
         self.engine_id = uuid.uuid4().hex[:12]
         self.limits = scheduler.limits
         self.ctx = zmq.Context.instance()
-        self.inbound = EngineInbound(self.ctx, config.resolved_input_addr)
-        self.outbound = EngineOutbound(self.ctx, config.resolved_output_addr)
+        self.inbound: Inbound = EngineInbound(self.ctx, config.resolved_input_addr)
+        self.outbound: Outbound = EngineOutbound(self.ctx, config.resolved_output_addr)
         self._tick_out_pull = self.ctx.socket(zmq.PULL)
         self._tick_out_pull.bind(TICK_OUT_ADDR + self.engine_id)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -27,7 +27,7 @@ import zmq
 from shared import protocol as p
 from shared.config import FrontendConfig
 from shared.protocol import BROADCAST_TOPIC
-from shared.transport import ClientChannel, SequenceGap, topic_for
+from shared.transport import Client, ClientChannel, SequenceGap, topic_for
 
 log = logging.getLogger("tickserve.frontend")
 
@@ -68,7 +68,7 @@ class EngineClient:
         self.frontend_id = config.frontend_id or f"fe-{uuid.uuid4().hex[:12]}"
         self.topic = topic_for(self.frontend_id)
         self.ctx = ctx or zmq.Context.instance()
-        self.channel = ClientChannel(self.ctx, config.resolved_input_addr, config.resolved_output_addr,
+        self.channel: Client = ClientChannel(self.ctx, config.resolved_input_addr, config.resolved_output_addr,
                                      self.topic, BROADCAST_TOPIC)
         self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None

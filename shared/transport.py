@@ -12,7 +12,10 @@ per topic from 0, so a reader detects a lost frame (PUB drops when a subscriber'
 high-water mark is full) as a gap and fails the affected requests loudly.
 Addresses are ``ipc://path`` (default) or ``tcp://host:port``: same code path.
 
-Sockets are not thread-safe: each object here is used from one thread.
+The seam is three small protocols — :class:`Inbound`, :class:`Outbound`,
+:class:`Client` — implemented here over ZeroMQ; a same-host shared-memory carrier can
+implement the same three. Sockets are not thread-safe: each object here is used from
+one thread.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -70,6 +73,42 @@ def _bind(sock: zmq.Socket, addr: str) -> None:
     if host and host not in ("127.0.0.1", "localhost", "[::1]"):
         log.warning("binding %s: reachable from other hosts (the engine has no authentication)", addr)
     sock.bind(addr)
+
+
+class Inbound(Protocol):
+    """Engine side of the inbound channel: many writers, one reader."""
+
+    sock: zmq.Socket  # what the engine's I/O thread polls (a ZeroMQ socket or a wake-up socket)
+
+    def recv_frame(self) -> bytes | None: ...
+
+    def close(self) -> None: ...
+
+
+class Outbound(Protocol):
+    """Engine side of the outbound channel: one writer, a topic per reader."""
+
+    def publish(self, topic: bytes, msg: Any) -> None: ...
+
+    def publish_frame(self, topic: bytes, payload: bytes) -> None: ...
+
+    def forget(self, topic: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Client(Protocol):
+    """Frontend / client-script side of both channels."""
+
+    def send(self, msg: Any, timeout_ms: int = 1000) -> None: ...
+
+    def poll(self, timeout_ms: int) -> bool: ...
+
+    def recv(self) -> "Received | None": ...
+
+    def reset_sequence(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class EngineInbound:

@@ -74,6 +74,15 @@ def test_sampling_params_validation_messages():
     assert p.RejectCode.CONTEXT_LENGTH.http_status == 400
 
 
+def test_zmq_classes_implement_the_transport_protocols():
+    from shared import transport as t
+
+    for impl, proto in ((t.EngineInbound, t.Inbound), (t.EngineOutbound, t.Outbound),
+                        (t.ClientChannel, t.Client)):
+        wanted = {n for n in vars(proto) if not n.startswith("_")} - {"sock"}
+        assert wanted and wanted <= set(vars(impl)), (impl, wanted - set(vars(impl)))
+
+
 def test_pub_sub_sequence_gap_is_detected():
     ctx = zmq.Context()
     d = tempfile.mkdtemp(prefix="ts-", dir="/tmp")
