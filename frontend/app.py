@@ -36,6 +36,7 @@ from starlette.routing import Route
 
 from frontend.detokenizer import TextStream, token_bytes_of
 from frontend.engine_client import EngineClient, EngineUnavailable, Rejected, RequestStream
+from frontend.metrics import FrontendMetrics, RequestTimer
 from frontend.schemas import (DEFAULT_MAX_TOKENS_COMPLETIONS, ChatCompletionRequest, ChatMessage,
                               CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body)
 from shared import protocol as p
@@ -116,6 +117,7 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM: the stop string or stop token id that matched
     text_offset: int = 0  # characters of logprob tokens sent so far (completions' text_offset)
+    timer: RequestTimer | None = None
 
 
 class Frontend:
@@ -126,6 +128,7 @@ class Frontend:
         self.tokenizer = tokenizer
         self.client = client
         self.model_name = model_name
+        self.metrics = FrontendMetrics()
         self.draining = False
         self.vocab_size = len(tokenizer)
         self._token_bytes = token_bytes_of(tokenizer)
@@ -280,8 +283,10 @@ class Frontend:
                                       include_stop_str_in_output=include_stop,
                                       skip_special_tokens=skip_special, min_tokens=params.min_tokens)
                     choices.append(ChoiceState(len(choices), rid, pi, stream, text, include_stop,
-                                               frozenset(params.stop_token_ids)))
+                                               frozenset(params.stop_token_ids), timer=RequestTimer(self.metrics)))
+                self.metrics.prompt_tokens.inc(len(prompt.token_ids))
         except Rejected as exc:
+            self.metrics.rejected.labels(exc.reason.code.value).inc()
             self._abort(choices)
             raise _reject_error(exc.reason) from None
         except EngineUnavailable as exc:
@@ -328,6 +333,7 @@ class Frontend:
                     prompts[choice.prompt_index].cached_tokens = out.num_cached_tokens
                 if out.error or out.finish_reason is p.FinishReason.ERROR:
                     choice.finish_reason = "error"
+                    choice.timer.finished("error")
                     raise self._engine_error(out.error or "the engine failed the request")
                 ids = out.token_ids
                 stop_token = out.finish_reason is p.FinishReason.STOP and bool(ids)
@@ -335,6 +341,7 @@ class Frontend:
                 # include_stop_str_in_output asks for it.
                 delta, stopped = choice.text.push(ids[:-1] if stop_token and not choice.include_stop else ids)
                 choice.completion_tokens += len(ids)
+                choice.timer.tokens(len(ids))
                 lps = list(out.logprobs or [])
                 if stopped:
                     choice.finish_reason = "stop"
@@ -353,6 +360,7 @@ class Frontend:
                             choice.stop_reason = ids[-1]
                 if choice.finish_reason is not None:
                     remaining -= 1
+                    choice.timer.finished(choice.finish_reason)
                 if delta or lps or choice.finish_reason is not None:
                     yield choice, delta, lps
         finally:
@@ -561,6 +569,13 @@ class Frontend:
         return JSONResponse({**data, "frontend": {"frontend_id": self.client.frontend_id,
                                                   "in_flight": self.client.num_in_flight}})
 
+    async def prometheus(self, request: Request) -> Response:
+        try:
+            engine = await self.client.stats(timeout=1.0)
+        except EngineUnavailable:
+            engine = None
+        return Response(self.metrics.render(engine), media_type="text/plain; version=0.0.4")
+
     async def tokenize(self, request: Request) -> Response:
         body: TokenizeRequest = await self._parse(request, TokenizeRequest)
         self._check_model(body)
@@ -662,6 +677,7 @@ def create_app(config: FrontendConfig, tokenizer, model_name: str,
         Route("/health", frontend.health, methods=["GET"]),
         Route("/version", frontend.version, methods=["GET"]),
         Route("/scheduler/stats", _wrap(frontend.scheduler_stats, frontend), methods=["GET"]),
+        Route("/metrics", _wrap(frontend.prometheus, frontend), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_exception})
     app.state.frontend = frontend

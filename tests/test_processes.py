@@ -89,6 +89,29 @@ def test_stream_and_non_stream_agree(stack):
     assert len(deltas) > 1  # tokens arrive one by one, not in one lump
 
 
+def test_prometheus_metrics_count_what_was_served(stack):
+    _, base = stack
+    before = httpx.get(f"{base}/metrics", timeout=10).text
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "count me", "max_tokens": 5, "ignore_eos": True},
+                   timeout=30)
+    assert r.status_code == 200
+    after = httpx.get(f"{base}/metrics", timeout=10)
+    assert after.status_code == 200 and after.headers["content-type"].startswith("text/plain")
+
+    def value(text: str, name: str) -> float:
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    text = after.text
+    assert value(text, "tickserve_generation_tokens_total") - value(before, "tickserve_generation_tokens_total") == 5
+    assert value(text, "tickserve_time_to_first_token_seconds_count") >= 1
+    assert value(text, "tickserve_inter_token_latency_seconds_count") >= 1
+    assert 'tickserve_requests_finished_total{finish_reason="length"}' in text
+    assert value(text, "tickserve_engine_up") == 1.0
+
+
 def test_client_disconnect_aborts_and_frees_the_row(stack):
     _, base = stack
     aborted_before = stats(base)["num_aborted"]
