@@ -358,7 +358,7 @@ class EngineServer:
                 with self.backend_lock:
                     self._drain_inbox()
                     if self.scheduler.has_work():
-                        outputs = self.scheduler.step()
+                        outputs = self.scheduler.step(stream=lambda early: self._send_outputs(out, early))
                     else:
                         outputs = self.scheduler.drain_outputs()
                     self._stats = self.scheduler.stats()

@@ -159,3 +159,13 @@ def test_pool_sized_from_a_memory_fraction(tiny_llama):
     expected = int(available_memory_bytes(torch.device("cpu")) * 0.001) // per_block
     assert abs(sched.block_pool.num_blocks - expected) <= expected // 10 + 1
     assert make_scheduler(tiny_llama, record=False, kv_num_blocks=7).block_pool.num_blocks == 7
+
+
+def test_first_tokens_can_stream_before_the_decode_pass(tiny_llama):
+    sched = make_scheduler(tiny_llama, record=False)
+    req = make_request(_prompts(10, 1)[0], max_tokens=5, ignore_eos=True)
+    sched.add_request(req)
+    early: list = []
+    late = sched.step(stream=early.extend)
+    assert [o.token_ids for _, o in early] == [req.output_token_ids[:1]]  # the prefill's token
+    assert [o.token_ids for _, o in late] == [req.output_token_ids[1:2]]  # the decode step's
