@@ -453,6 +453,7 @@ def run_engine(config: cfg.EngineConfig) -> int:
             server.stop()
     server.join(timeout=5)
     server.close()
+    log.info("engine %s stopped%s", server.engine_id, f" after an error: {server.fatal!r}" if server.fatal else "")
     return 1 if server.fatal else 0
 
 

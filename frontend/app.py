@@ -606,10 +606,22 @@ def _check_unicode(data: Any) -> None:
         raise HTTPError(400, "the request body is nested too deeply") from None
 
 
+# Fields that accept several shapes: pydantic's per-shape errors ("prompt.str: Input
+# should be a valid string") would name one shape the client never meant.
+_UNION_SHAPES = {
+    "prompt": "a string, a list of strings, a list of token ids (integers >= 0) or a list of such lists",
+    "stop": "a non-empty string or a list of up to 16 non-empty strings",
+    "content": "a string or a list of text parts",
+}
+
+
 def _validation_error(exc: ValidationError) -> HTTPError:
     """Pydantic's first error as a 400 naming the top-level field (``param``)."""
     err = exc.errors(include_url=False, include_input=False, include_context=False)[0]
     loc = [str(x) for x in err["loc"]]
+    for i, part in enumerate(loc):
+        if part in _UNION_SHAPES and len(loc) > i + 1:
+            return HTTPError(400, f"{'.'.join(loc[:i + 1])} must be {_UNION_SHAPES[part]}", param=loc[0])
     path = ".".join(loc)
     msg = err["msg"].removeprefix("Value error, ")
     message = f"{path}: {msg}" if path else msg

@@ -173,8 +173,15 @@ class EngineClient:
         next_hello = 0.0
         next_beat = 0.0
         interval = 0.25
+        next_wait_log = time.monotonic() + 5.0
         while not self._stop.is_set():
             now = time.monotonic()
+            if not self._up.is_set() and now >= next_wait_log:
+                log.warning("waiting for an engine at %s (PUB %s)", self.config.resolved_input_addr,
+                            self.config.resolved_output_addr)
+                next_wait_log = now + 10.0
+            elif self._up.is_set():
+                next_wait_log = now + 5.0
             try:
                 if not self._up.is_set() and now >= next_hello:
                     self._send(p.Hello(self.frontend_id), timeout_ms=0)

@@ -43,7 +43,12 @@ class Supervisor:
         self.engine_started = 0.0
 
     def _spawn(self, module: str, config) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", module, *cfg.to_argv(config)])
+        # Each child gets its own session, so a terminal's Ctrl-C reaches only this
+        # supervisor, which then stops the children once, in order (a second signal
+        # would cut the frontend's drain short); and each child is sent SIGTERM by the
+        # kernel if the supervisor itself dies, so none is orphaned.
+        return subprocess.Popen([sys.executable, "-m", module, *cfg.to_argv(config)],
+                                start_new_session=True, preexec_fn=_die_with_parent)
 
     def start_engine(self) -> None:
         self.engine = self._spawn("engine_proc", self.engine_config)
@@ -76,6 +81,10 @@ class Supervisor:
         return code
 
     def _on_signal(self, signum, frame) -> None:
+        if self.stopping:  # a second Ctrl-C: pass it on, the children stop at once
+            for proc in (self.frontend, self.engine):
+                if proc is not None and proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
         self.stopping = True
 
     def shutdown(self) -> None:
@@ -93,12 +102,38 @@ class Supervisor:
             shutil.rmtree(self.engine_config.run_dir, ignore_errors=True)
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux for SIGTERM when the parent dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now, or ``None``."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from engine_proc.model_loader import resolve_model
 
     environ = dict(os.environ)
     engine = cfg.build(cfg.EngineConfig, args, environ)
     problems = engine.problems()
+    frontend_probe = cfg.build(cfg.FrontendConfig, args, environ)
+    port_issue = port_problem(frontend_probe.host, frontend_probe.port)
+    if port_issue:
+        problems.append(port_issue + " (is another server running? set --port or PORT)")
     if problems:
         print("tickserve: " + "; ".join(problems), file=sys.stderr)
         return 2
@@ -109,8 +144,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     frontend = cfg.build(cfg.FrontendConfig, args, environ, model=model_dir, run_dir=run_dir,
                          served_model_name=args.served_model_name or _display(args.model or environ.get(
                              cfg.env_name("model"), "")))
-    print(f"tickserve: serving {frontend.served_model_name} on http://{frontend.host}:{frontend.port}",
-          flush=True)
+    print(f"tickserve: starting {frontend.served_model_name} on http://{frontend.host}:{frontend.port} "
+          f"(engine sockets in {run_dir}; Ctrl-C drains and stops)", flush=True)
     return Supervisor(engine, frontend, own).run()
 
 

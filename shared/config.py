@@ -52,7 +52,7 @@ class EngineConfig:
     input_addr: str = _opt("", "engine PULL address (submit/abort); empty → ipc://<run_dir>/input.sock")
     output_addr: str = _opt("", "engine PUB address (acks/tokens); empty → ipc://<run_dir>/output.sock")
     max_queue_size: int = _opt(256, "gate 1: requests allowed in _pending before HTTP 429")
-    max_batch_size: int = _opt(32, "rows in the decode batch (_active)")
+    max_batch_size: int = _opt(32, "rows admitted at once: prefilling (_prefilling) plus decoding (_active)")
     prefill_chunk_size: int = _opt(256, "tokens of one prompt per tick in chunked mode")
     prefill_mode: str = _opt("", "monolithic | chunked | mixed_batch | disaggregated; empty → chunked if prefill_chunk_size > 0")
     policy: str = _opt("fcfs", "fcfs | fair (Virtual Token Counter)")

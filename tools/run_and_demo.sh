@@ -6,6 +6,10 @@ set -u
 PORT=${PORT:-8000}
 HOST=${HOST:-127.0.0.1}
 PY=${PY:-python3}
+if ! "$PY" -c "import sys; from shared.cli import port_problem; p = port_problem('$HOST', $PORT); p and print(p); sys.exit(bool(p))"; then
+    echo "Is another server running there? Pick another port: make run PORT=8001" >&2
+    exit 1
+fi
 "$(dirname "$PY")/tickserve" serve --host "$HOST" --port "$PORT" &
 server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server; exit 0' INT TERM

@@ -105,7 +105,10 @@ def run(args: argparse.Namespace) -> dict:
                 "ttft_s": ttft, "decode_tokens_per_s": (len(tokens) - 1) / decode_s if decode_s else None,
                 "text": tokenizer.decode(tokens) if tokenizer else None}
     finally:
-        channel.send(p.Goodbye(frontend_id), timeout_ms=200)
+        try:
+            channel.send(p.Goodbye(frontend_id), timeout_ms=200)
+        except zmq.Again:
+            pass  # no engine to say goodbye to
         channel.close()
 
 
@@ -126,7 +129,13 @@ def main() -> int:
     args = ap.parse_args()
     if not (args.run_dir or (args.input_addr and args.output_addr)):
         ap.error("give --run-dir or both --input-addr and --output-addr")
-    result = run(args)
+    try:
+        result = run(args)
+    except (zmq.Again, TimeoutError) as exc:
+        where = args.input_addr or os.path.join(args.run_dir, "input.sock")
+        print(f"no engine answered at {where} ({exc}); is `tickserve engine` or `tickserve serve` "
+              "running with that run directory?", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(result))
     else:
