@@ -9,7 +9,8 @@ I/O thread (never takes the backend lock)
     Tracks frontend heartbeats and aborts the requests of a silent frontend.
 
 Tick thread (holds the backend lock for the whole tick)
-    drain the inbox → ``scheduler.step()`` → encode one ``StepOutput`` per frontend.
+    drain the inbox (submits, aborts, departed frontends, stats requests) →
+    ``scheduler.step()`` → encode one ``StepOutput`` per frontend.
 """
 
 from __future__ import annotations
@@ -165,7 +166,6 @@ class EngineServer:
         self._live_ids: set[str] = set()  # I/O thread's view of unfinished request ids
         self._frontends: dict[str, float] = {}  # frontend id → last heard (monotonic)
         self.bad_frames = 0
-        self._stats: dict = scheduler.stats()
         self.fatal: BaseException | None = None
         scheduler._on_left_pending = self._count_left_pending
         self._tick_thread = threading.Thread(target=self._tick_loop, name="engine-tick", daemon=True)
@@ -282,10 +282,9 @@ class EngineServer:
             self.outbound.publish(topic_for(msg.frontend_id), p.Welcome(
                 self.engine_id, self.limits.max_model_len, self.scheduler.eos_token_ids,
                 self.config.max_queue_size, self.config.heartbeat_interval_s))
-        elif isinstance(msg, p.StatsRequest):
-            data = dict(self._stats, num_waiting=self.num_waiting, bad_frames=self.bad_frames,
-                        num_frontends=len(self._frontends), engine_id=self.engine_id)
-            self.outbound.publish(topic_for(msg.frontend_id), p.Stats(msg.nonce, data))
+        elif isinstance(msg, p.StatsRequest):  # answered by the tick thread, between ticks
+            self._inbox.put(msg)
+            self._wake.set()
         elif isinstance(msg, p.Goodbye):
             self._frontends.pop(msg.frontend_id, None)
             self._inbox.put(_FrontendGone(msg.frontend_id))
@@ -356,12 +355,11 @@ class EngineServer:
         try:
             while not self._stop.is_set():
                 with self.backend_lock:
-                    self._drain_inbox()
+                    self._drain_inbox(out)
                     if self.scheduler.has_work():
                         outputs = self.scheduler.step(stream=lambda early: self._send_outputs(out, early))
                     else:
                         outputs = self.scheduler.drain_outputs()
-                    self._stats = self.scheduler.stats()
                 self._send_outputs(out, outputs)
                 if not self.scheduler.has_work():
                     self._wake.wait(0.1)
@@ -374,7 +372,7 @@ class EngineServer:
         finally:
             out.close(0)
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self, out: zmq.Socket) -> None:
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -387,6 +385,10 @@ class EngineServer:
                     self.scheduler.abort_request(rid)
             elif isinstance(item, _FrontendGone):
                 self.scheduler.abort_frontend(item.frontend_id)
+            elif isinstance(item, p.StatsRequest):
+                data = dict(self.scheduler.stats(), num_waiting=self.num_waiting, bad_frames=self.bad_frames,
+                            num_frontends=len(self._frontends), engine_id=self.engine_id)
+                out.send_multipart([topic_for(item.frontend_id), codec.encode(p.Stats(item.nonce, data))])
 
     def _send_outputs(self, sock: zmq.Socket, outputs: list[tuple[str, p.RequestOutput]]) -> None:
         if not outputs:
