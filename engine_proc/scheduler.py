@@ -10,8 +10,8 @@ One tick, in this order (the worker holds the backend lock throughout)::
 
     ① _admit_pending        gates 2 and 3; admitted → _prefilling (or, monolithic,
                              prefilled at once and promoted)
-    ② advance_prefill_chunk one PREFILL_CHUNK_SIZE chunk of the head of _prefilling;
-                             the final chunk samples the first token and promotes
+    ② advance_prefill_chunk up to PREFILL_CHUNK_SIZE prompt tokens, oldest row first;
+                             a final chunk samples the first token and promotes
     ③ evict_finished        rows that ended (EOS, stop id, max_tokens) release
                              their KV, blocks and reservation
     ④ decode_step           one batched forward, one new token per row
@@ -254,12 +254,23 @@ class Scheduler:
     # ------------------------------------------------------------------ ② prefill
 
     def advance_prefill_chunk(self) -> None:
-        """Feed one chunk of the oldest prefilling row; promote it on the final chunk."""
-        if not self._prefilling:
-            return
-        req = self._prefilling[0]
-        if self._run_prefill_isolated(req, self.chunk_size):
+        """Feed at most PREFILL_CHUNK_SIZE prompt tokens this tick, oldest row first.
+
+        A long prompt takes one full chunk per tick, which bounds how long the decode
+        batch waits (the card's point). A row that finishes its prompt with budget left
+        passes the rest to the next row, so short remainders (after a prefix-cache hit,
+        say) do not each cost a whole tick. Rows promote on their final chunk.
+        """
+        budget = self.chunk_size
+        while self._prefilling and budget > 0:
+            req = self._prefilling[0]
+            if self.prefix_caching and req.num_computed_tokens == req.num_cached_tokens:
+                self._late_prefix_hit(req)  # cached tokens do not spend the budget
+            before = req.num_computed_tokens
+            if not self._run_prefill_isolated(req, budget):
+                return  # the budget ran out inside this row (or its prefill failed)
             self._prefilling.popleft()
+            budget -= req.num_computed_tokens - before
 
     def _run_prefill_isolated(self, req: Request, max_tokens: int) -> bool:
         """:meth:`_run_prefill`, but a failure ends only this row (its prefill KV is its

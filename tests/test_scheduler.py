@@ -169,3 +169,29 @@ def test_first_tokens_can_stream_before_the_decode_pass(tiny_llama):
     late = sched.step(stream=early.extend)
     assert [o.token_ids for _, o in early] == [req.output_token_ids[:1]]  # the prefill's token
     assert [o.token_ids for _, o in late] == [req.output_token_ids[1:2]]  # the decode step's
+
+
+def test_chunked_prefill_spends_at_most_one_chunk_of_prompt_tokens_per_tick(tiny_llama):
+    """The decode batch never waits for more than PREFILL_CHUNK_SIZE prompt tokens per
+    tick; a row that finishes early hands the rest of the budget to the next one."""
+    sched = make_scheduler(tiny_llama, prefill_mode="chunked", prefill_chunk_size=8)
+    computed: list[int] = []
+    inner = sched.backend.prefill_chunk
+
+    def counting(row_id, token_ids, start_pos, compute_logits):
+        computed[-1] += len(token_ids)
+        return inner(row_id, token_ids, start_pos, compute_logits)
+
+    sched.backend.prefill_chunk = counting
+    long = make_request(list(range(100, 120)), max_tokens=3, ignore_eos=True)  # 20 tokens: 3 ticks
+    shorts = [make_request(list(range(200 + 10 * i, 203 + 10 * i)), max_tokens=3, ignore_eos=True)
+              for i in range(3)]  # 3 tokens each
+    for r in [long, *shorts]:
+        sched.add_request(r)
+    while sched.has_work():
+        computed.append(0)
+        sched.step()
+    assert max(computed) <= 8
+    # long: 8, 8, then its last 4 + short one's 3 + 1 of short two; then 2 + short three's 3
+    assert computed[:4] == [8, 8, 4 + 3 + 1, 2 + 3]
+    assert all(len(r.output_token_ids) == 3 for r in [long, *shorts])
