@@ -49,7 +49,6 @@ class AdmitVerdict(enum.Enum):
 @dataclass(frozen=True)
 class AdmitDecision:
     verdict: AdmitVerdict
-    num_cached_tokens: int = 0  # prefix-cache hit (tokens)
     reason: RejectReason | None = None  # which gate held or rejected
 
 
@@ -211,10 +210,10 @@ class Scheduler:
         # Hit blocks that sit in the free queue leave it when reused: they count too.
         revived = match.num_evictable_blocks if match else 0
         if not pool.can_allocate(pool.blocks_needed(need, cached) + revived):
-            return AdmitDecision(AdmitVerdict.SOFT_HOLD, num_cached_tokens=cached, reason=RejectReason(
+            return AdmitDecision(AdmitVerdict.SOFT_HOLD, reason=RejectReason(
                 RejectCode.BLOCK_POOL, "not enough free KV blocks", self.limits.blocks_for(need),
                 pool.num_free_blocks))
-        return AdmitDecision(AdmitVerdict.ADMIT, num_cached_tokens=cached)
+        return AdmitDecision(AdmitVerdict.ADMIT)
 
     def _admit_pending(self) -> None:
         while len(self._pending) and len(self._active) + len(self._prefilling) < self.max_batch_size:
