@@ -28,7 +28,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from engine_proc.backends.base import Backend
+from engine_proc.backends.base import Backend, PrefillChunk
 from engine_proc.block_pool import BlockPool
 from engine_proc.gates import Limits, never_fits
 from engine_proc.policy import SchedulingPolicy
@@ -248,34 +248,65 @@ class Scheduler:
         self._prefilling.append(req)
         if self.prefill_mode is PrefillMode.MONOLITHIC:
             self._prefilling.remove(req)
-            self._run_prefill_isolated(req, req.prompt_len - req.num_computed_tokens)
+            self._isolated(req, self._run_prefill, req, req.prompt_len - req.num_computed_tokens)
 
     # ------------------------------------------------------------------ ② prefill
 
     def advance_prefill_chunk(self) -> None:
-        """Feed at most PREFILL_CHUNK_SIZE prompt tokens this tick, oldest row first.
+        """Feed at most PREFILL_CHUNK_SIZE prompt tokens this tick, oldest row first, in
+        one packed forward pass.
 
         A long prompt takes one full chunk per tick, which bounds how long the decode
         batch waits (the card's point). A row that finishes its prompt with budget left
-        passes the rest to the next row, so short remainders (after a prefix-cache hit,
-        say) do not each cost a whole tick. Rows promote on their final chunk.
+        passes the rest to the next rows, so short remainders (after a prefix-cache hit,
+        say) share one pass instead of each costing a tick. Rows promote on their final
+        chunk. A failing pass fails only the rows in it (their prefill KV is their own).
         """
-        budget = self.chunk_size
-        while self._prefilling and budget > 0:
-            req = self._prefilling[0]
-            if self.prefix_caching and req.num_computed_tokens == req.num_cached_tokens:
-                self._late_prefix_hit(req)  # cached tokens do not spend the budget
-            before = req.num_computed_tokens
-            if not self._run_prefill_isolated(req, budget):
-                return  # the budget ran out inside this row (or its prefill failed)
-            self._prefilling.popleft()
-            budget -= req.num_computed_tokens - before
+        plan = self._plan_prefill()
+        if len(plan) > 1 and self.backend.packs_prefill:
+            chunks = [PrefillChunk(req.request_id, req.prompt_token_ids[start:end], start, end == req.prompt_len)
+                      for req, start, end in plan]
+            try:
+                logits = self.backend.prefill_chunks(chunks)
+            except Exception:  # the pass changed no row state: find the culprit row by row
+                log.exception("packed prefill of %d rows failed; retrying them one at a time", len(plan))
+            else:
+                for (req, _, end), row_logits in zip(plan, logits):
+                    if self._isolated(req, self._after_prefill, req, end, row_logits):
+                        self._prefilling.remove(req)
+                return
+        for req, start, end in plan:
+            if self._isolated(req, self._run_prefill, req, end - start):
+                self._prefilling.remove(req)
 
-    def _run_prefill_isolated(self, req: Request, max_tokens: int) -> bool:
-        """:meth:`_run_prefill`, but a failure ends only this row (its prefill KV is its
-        own), with ``finish_reason`` error; the rest of the batch keeps going."""
+    def _plan_prefill(self) -> list[tuple[Request, int, int]]:
+        """``(request, start, end)`` prompt ranges for this tick within the token budget."""
+        budget = self.chunk_size
+        plan: list[tuple[Request, int, int]] = []
+        for req in self._prefilling:
+            if budget <= 0:
+                break
+            if self.prefix_caching and req.num_computed_tokens == req.num_cached_tokens:
+                if plan and self._shares_pending_blocks(req, plan):
+                    break  # next tick it reuses what this pass computes instead of redoing it
+                self._late_prefix_hit(req)  # cached tokens do not spend the budget
+            start = req.num_computed_tokens
+            end = min(req.prompt_len, start + budget)
+            plan.append((req, start, end))
+            budget -= end - start
+        return plan
+
+    def _shares_pending_blocks(self, req: Request, plan: list[tuple[Request, int, int]]) -> bool:
+        """Would ``req``'s next uncached block be computed by a row already planned?"""
+        edge = req.num_computed_tokens + self.block_pool.block_size
+        head = req.prompt_token_ids[:edge]
+        return any(end >= edge and other.prompt_token_ids[:edge] == head for other, _, end in plan)
+
+    def _isolated(self, req: Request, fn, *args) -> bool:
+        """``fn(*args)`` for one row's prefill; a failure ends only that row (its prefill
+        KV is its own), with ``finish_reason`` error, and returns False."""
         try:
-            return self._run_prefill(req, max_tokens)
+            return fn(*args)
         except Exception as exc:
             log.exception("prefill of %s failed; failing that request only", req.request_id)
             req.error = f"prefill failed: {exc}"
@@ -284,16 +315,19 @@ class Scheduler:
 
     def _run_prefill(self, req: Request, max_tokens: int) -> bool:
         """Compute up to ``max_tokens`` prompt tokens of ``req``; True once complete."""
-        if self.prefix_caching and req.num_computed_tokens == req.num_cached_tokens:
-            self._late_prefix_hit(req)
         start = req.num_computed_tokens
         end = min(req.prompt_len, start + max_tokens)
-        last = end == req.prompt_len
-        logits = self.backend.prefill_chunk(req.request_id, req.prompt_token_ids[start:end], start, last)
+        logits = self.backend.prefill_chunk(req.request_id, req.prompt_token_ids[start:end], start,
+                                            end == req.prompt_len)
+        return self._after_prefill(req, end, logits)
+
+    def _after_prefill(self, req: Request, end: int, logits) -> bool:
+        """Record prompt tokens ``[.., end)`` as computed; on the last one, sample the first
+        token and promote. True once the prompt is complete."""
         req.num_computed_tokens = end
         if self.prefix_caching:  # rows behind this one can reuse these blocks right away
             self.block_pool.commit_full_blocks(req.request_id, req.prompt_token_ids[:end])
-        if not last:
+        if end < req.prompt_len:
             return False
         sample = self.sampler(logits.unsqueeze(0), [self._sampling[req.request_id]])
         self._promote_to_decode(req)

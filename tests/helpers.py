@@ -30,6 +30,13 @@ class RecordingBackend:
             self.logits.setdefault(row_id, []).append(out.clone())
         return out
 
+    def prefill_chunks(self, chunks):
+        outs = self.inner.prefill_chunks(chunks)
+        for chunk, out in zip(chunks, outs):
+            if out is not None:
+                self.logits.setdefault(chunk.row_id, []).append(out.clone())
+        return outs
+
     def decode_step_batched(self, row_ids, token_ids, positions):
         out = self.inner.decode_step_batched(row_ids, token_ids, positions)
         for rid, row in zip(row_ids, out):

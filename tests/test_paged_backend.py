@@ -269,3 +269,25 @@ def test_same_tick_arrivals_share_the_prefill(tiny_llama, mode, chunk):
     assert cached[0] == 0 and cached[1] == cached[2] == len(system) // BS * BS
     for r in reqs:
         _check(tiny_llama, sched, r, tokens_of(outs[r.request_id]))
+
+
+def test_packed_prefill_of_many_rows_matches_reference(tiny_llama):
+    """Six prompts (two continuing after a prefix hit) prefilled in one packed forward
+    pass give the same logits as the reference, and as one-by-one prefill."""
+    sched = _paged(tiny_llama, "chunked", 64)
+    shared = _tokens(50, 9)
+    _run_one(sched, shared + [7], max_tokens=2)  # warm: 2 blocks of `shared` cached
+    reqs = [make_request(p, max_tokens=4, ignore_eos=True) for p in
+            [_tokens(51, 5), _tokens(52, 11), shared + _tokens(53, 3), _tokens(54, 2), shared + [9], _tokens(55, 7)]]
+    passes = []
+    inner = sched.backend.prefill_chunks
+    sched.backend.prefill_chunks = lambda chunks: passes.append(len(chunks)) or inner(chunks)
+    outs = run_until_idle(sched, {0: reqs})
+    assert passes == [6]
+    assert [outs[r.request_id][-1].num_cached_tokens for r in reqs] == [0, 0, 8, 0, 8, 0]
+    hf = make_scheduler(tiny_llama, backend="hf", prefill_mode="chunked", prefill_chunk_size=64)
+    for r in reqs:
+        toks = tokens_of(outs[r.request_id])
+        _check(tiny_llama, sched, r, toks)
+        solo = make_request(r.prompt_token_ids, max_tokens=4, ignore_eos=True)
+        assert tokens_of(run_until_idle(hf, {0: [solo]})[solo.request_id]) == toks

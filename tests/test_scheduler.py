@@ -135,14 +135,19 @@ def test_a_failing_prefill_fails_only_its_row(tiny_llama):
     sched = make_scheduler(tiny_llama, prefill_mode="chunked", prefill_chunk_size=4)
     good = make_request(_prompts(8, 1)[0], max_tokens=5, ignore_eos=True)
     bad = make_request(_prompts(9, 1)[0], max_tokens=5, ignore_eos=True)
-    inner = sched.backend.prefill_chunk
+    inner_one, inner_many = sched.backend.prefill_chunk, sched.backend.prefill_chunks
 
-    def flaky(row_id, token_ids, start_pos, compute_logits):
+    def flaky_one(row_id, token_ids, start_pos, compute_logits):
         if row_id == bad.request_id:
             raise RuntimeError("boom")
-        return inner(row_id, token_ids, start_pos, compute_logits)
+        return inner_one(row_id, token_ids, start_pos, compute_logits)
 
-    sched.backend.prefill_chunk = flaky
+    def flaky_many(chunks):
+        if any(c.row_id == bad.request_id for c in chunks):
+            raise RuntimeError("boom")
+        return inner_many(chunks)
+
+    sched.backend.prefill_chunk, sched.backend.prefill_chunks = flaky_one, flaky_many
     outs = run_until_idle(sched, {0: [good, bad]})
     assert outs[bad.request_id][-1].finish_reason is FinishReason.ERROR
     assert "boom" in outs[bad.request_id][-1].error
@@ -176,13 +181,20 @@ def test_chunked_prefill_spends_at_most_one_chunk_of_prompt_tokens_per_tick(tiny
     tick; a row that finishes early hands the rest of the budget to the next one."""
     sched = make_scheduler(tiny_llama, prefill_mode="chunked", prefill_chunk_size=8)
     computed: list[int] = []
-    inner = sched.backend.prefill_chunk
+    inner_one, inner_many = sched.backend.prefill_chunk, sched.backend.prefill_chunks
+    passes: list[int] = []
 
-    def counting(row_id, token_ids, start_pos, compute_logits):
+    def count_one(row_id, token_ids, start_pos, compute_logits):
         computed[-1] += len(token_ids)
-        return inner(row_id, token_ids, start_pos, compute_logits)
+        passes.append(1)
+        return inner_one(row_id, token_ids, start_pos, compute_logits)
 
-    sched.backend.prefill_chunk = counting
+    def count_many(chunks):
+        computed[-1] += sum(len(c.token_ids) for c in chunks)
+        passes.append(len(chunks))
+        return inner_many(chunks)
+
+    sched.backend.prefill_chunk, sched.backend.prefill_chunks = count_one, count_many
     long = make_request(list(range(100, 120)), max_tokens=3, ignore_eos=True)  # 20 tokens: 3 ticks
     shorts = [make_request(list(range(200 + 10 * i, 203 + 10 * i)), max_tokens=3, ignore_eos=True)
               for i in range(3)]  # 3 tokens each
@@ -194,4 +206,5 @@ def test_chunked_prefill_spends_at_most_one_chunk_of_prompt_tokens_per_tick(tiny
     assert max(computed) <= 8
     # long: 8, 8, then its last 4 + short one's 3 + 1 of short two; then 2 + short three's 3
     assert computed[:4] == [8, 8, 4 + 3 + 1, 2 + 3]
+    assert passes[:4] == [1, 1, 3, 2]  # one forward pass per tick, rows packed
     assert all(len(r.output_token_ids) == 3 for r in [long, *shorts])

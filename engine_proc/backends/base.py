@@ -16,8 +16,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens ``token_ids`` of row ``row_id`` at positions ``[start_pos, start_pos + n)``."""
+
+    row_id: str
+    token_ids: Sequence[int]
+    start_pos: int
+    compute_logits: bool  # the chunk ends the prompt: its last token's logits are needed
 
 
 class Backend(ABC):
@@ -37,6 +48,15 @@ class Backend(ABC):
         or prefix-cache hits). Returns the logits of the last token, shape ``[vocab]``
         float32, when ``compute_logits``; else ``None``.
         """
+
+    packs_prefill: bool = False
+    """Whether :meth:`prefill_chunks` runs several rows' chunks in one forward pass."""
+
+    def prefill_chunks(self, chunks: Sequence[PrefillChunk]) -> list[torch.Tensor | None]:
+        """Several rows' chunks (each row at most once) in one forward pass, for a backend
+        with ``packs_prefill``. Returns, per chunk, what :meth:`prefill_chunk` would.
+        All or nothing: if it raises, no row's state has advanced."""
+        raise NotImplementedError(f"{type(self).__name__} does not pack prefills")
 
     @abstractmethod
     def promote(self, row_id: str) -> None:

@@ -126,7 +126,9 @@ class PagedForward:
 
     Two shapes of batch:
 
-    * prefill: one row, ``q`` new tokens at positions ``[start, start + q)``.
+    * prefill: one row, ``q`` new tokens at positions ``[start, start + q)``; or, packed,
+      several rows one after another in one sequence, row ``i`` being the ``segments[i] =
+      (offset, q_i, start_i)`` slice of it.
     * decode: ``B`` rows, one new token each, row ``i`` at position ``seq_lens[i] - 1``.
 
     ``slots``: ``[B * q]`` flat cache slots of the new tokens. ``block_tables``: ``[B, n]``
@@ -145,6 +147,7 @@ class PagedForward:
     start: int = 0
     decode_attention: DecodeAttention = DecodeAttention.BATCHED
     key_mask: torch.Tensor | None = field(default=None, repr=False)
+    segments: list[tuple[int, int, int]] | None = None
 
     def row_blocks(self, i: int) -> torch.Tensor:
         """Row ``i``'s block ids ``[n_i]``, exactly covering its ``seq_lens[i]`` tokens."""
@@ -176,15 +179,26 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
 def _prefill_attention(meta: PagedForward, layer: int, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """One row, ``q`` tokens from ``meta.start``: causal over ``[0, start + q)``."""
+    """Prefill rows: each attends causally over its own ``[0, start + q)``."""
+    if meta.segments is None:
+        return _prefill_row(meta, layer, 0, meta.start, query, key, value, scaling)
+    return torch.cat([
+        _prefill_row(meta, layer, i, start, query[:, :, off:off + q], key[:, :, off:off + q],
+                     value[:, :, off:off + q], scaling)
+        for i, (off, q, start) in enumerate(meta.segments)], dim=2)
+
+
+def _prefill_row(meta: PagedForward, layer: int, i: int, start: int, query: torch.Tensor,
+                 key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Row ``i`` of a prefill, ``q`` tokens from ``start``: causal over ``[0, start + q)``."""
     gqa = query.shape[1] != key.shape[1]
-    if meta.start == 0:  # nothing earlier: the new tokens are the whole KV
+    if start == 0:  # nothing earlier: the new tokens are the whole KV
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
                                               enable_gqa=gqa)
-    length = meta.seq_lens[0]
-    k, v = meta.cache.gather_row(layer, meta.row_blocks(0), length)
+    length = meta.seq_lens[i]
+    k, v = meta.cache.gather_row(layer, meta.row_blocks(i), length)
     q_len = query.shape[2]
-    q_pos = torch.arange(meta.start, meta.start + q_len, device=query.device)
+    q_pos = torch.arange(start, start + q_len, device=query.device)
     mask = torch.arange(length, device=query.device)[None, :] <= q_pos[:, None]  # [q, length]
     return F.scaled_dot_product_attention(query, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                                           scale=scaling, enable_gqa=gqa)
@@ -289,6 +303,47 @@ class PagedBackend(Backend):
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, paged_forward=meta)
         row.seq_len = end
         return out.logits[0, -1].float() if compute_logits else None
+
+    packs_prefill = True
+
+    @torch.inference_mode()
+    def prefill_chunks(self, chunks):
+        """Several rows' prefill chunks packed into one sequence ``[1, Σ q_i]``: the linear
+        layers run once for all of them; attention runs per row over its own KV. Row
+        state advances only after the forward succeeds."""
+        if len(chunks) == 1:
+            c = chunks[0]
+            return [self.prefill_chunk(c.row_id, c.token_ids, c.start_pos, c.compute_logits)]
+        rows, segments, slots, ids, positions, tables, lens, last = [], [], [], [], [], [], [], []
+        offset = 0
+        for c in chunks:
+            row = self._rows.get(c.row_id) or self._start_row(c.row_id)
+            if row.seq_len != c.start_pos:
+                raise ValueError(f"row {c.row_id}: KV holds {row.seq_len} tokens, chunk starts at {c.start_pos}")
+            n = len(c.token_ids)
+            end = c.start_pos + n
+            self._check_room(c.row_id, row, end)
+            rows.append((row, end))
+            segments.append((offset, n, c.start_pos))
+            slots.append(self._slots(row.block_ids, range(c.start_pos, end)))
+            ids.extend(c.token_ids)
+            positions.append(torch.arange(c.start_pos, end, device=self.device))
+            tables.append(row.block_ids[: cdiv(end, self.block_size)])
+            lens.append(end)
+            offset += n
+            last.append(offset - 1)
+        width = max(len(t) for t in tables)
+        null = self.cache.null_block
+        meta = PagedForward(
+            cache=self.cache, slots=torch.cat(slots), is_prefill=True, seq_lens=lens, segments=segments,
+            block_tables=torch.tensor([t + [null] * (width - len(t)) for t in tables], device=self.device))
+        out = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
+                         position_ids=torch.cat(positions).unsqueeze(0), use_cache=False,
+                         logits_to_keep=torch.tensor(last, device=self.device), paged_forward=meta)
+        for row, end in rows:
+            row.seq_len = end
+        logits = out.logits[0].float()  # [len(chunks), vocab]: each row's last token
+        return [logits[i] if c.compute_logits else None for i, c in enumerate(chunks)]
 
     def _start_row(self, row_id: str) -> _Row:
         """A row's first chunk: its table from the pool; KV already holds the cached prefix."""
