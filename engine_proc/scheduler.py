@@ -287,9 +287,9 @@ class Scheduler:
             if budget <= 0:
                 break
             if self.prefix_caching and req.num_computed_tokens == req.num_cached_tokens:
+                self._late_prefix_hit(req)  # cached tokens do not spend the budget
                 if plan and self._shares_pending_blocks(req, plan):
                     break  # next tick it reuses what this pass computes instead of redoing it
-                self._late_prefix_hit(req)  # cached tokens do not spend the budget
             start = req.num_computed_tokens
             end = min(req.prompt_len, start + budget)
             plan.append((req, start, end))
