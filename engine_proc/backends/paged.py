@@ -47,7 +47,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from engine_proc.backends.base import Backend
+from engine_proc.backends.base import Backend, PrefillChunk
 from engine_proc.block_pool import BlockPool, cdiv
 
 ATTN_IMPLEMENTATION = "tickserve_paged"
@@ -126,15 +126,14 @@ class PagedForward:
 
     Two shapes of batch:
 
-    * prefill: one row, ``q`` new tokens at positions ``[start, start + q)``; or, packed,
-      several rows one after another in one sequence, row ``i`` being the ``segments[i] =
-      (offset, q_i, start_i)`` slice of it.
+    * prefill: rows one after another in one sequence, row ``i`` being the
+      ``segments[i] = (offset, q_i, start_i)`` slice of it: ``q_i`` new tokens at
+      positions ``[start_i, start_i + q_i)``.
     * decode: ``B`` rows, one new token each, row ``i`` at position ``seq_lens[i] - 1``.
 
     ``slots``: ``[B * q]`` flat cache slots of the new tokens. ``block_tables``: ``[B, n]``
     block ids covering each row's KV after this forward, padded with the null block.
     ``seq_lens``: ``[B]`` KV length of each row after this forward (tokens).
-    ``start``: prefill only, the chunk's first position.
     ``decode_attention``: decode only, the kernel choice; ``key_mask`` (BATCHED only),
     ``[B, 1, 1, n * block_size]`` bool, True where a key exists.
     """
@@ -144,10 +143,9 @@ class PagedForward:
     block_tables: torch.Tensor
     seq_lens: list[int]
     is_prefill: bool
-    start: int = 0
     decode_attention: DecodeAttention = DecodeAttention.BATCHED
     key_mask: torch.Tensor | None = field(default=None, repr=False)
-    segments: list[tuple[int, int, int]] | None = None
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
 
     def row_blocks(self, i: int) -> torch.Tensor:
         """Row ``i``'s block ids ``[n_i]``, exactly covering its ``seq_lens[i]`` tokens."""
@@ -180,8 +178,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 def _prefill_attention(meta: PagedForward, layer: int, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """Prefill rows: each attends causally over its own ``[0, start + q)``."""
-    if meta.segments is None:
-        return _prefill_row(meta, layer, 0, meta.start, query, key, value, scaling)
+    if len(meta.segments) == 1:
+        return _prefill_row(meta, layer, 0, meta.segments[0][2], query, key, value, scaling)
     return torch.cat([
         _prefill_row(meta, layer, i, start, query[:, :, off:off + q], key[:, :, off:off + q],
                      value[:, :, off:off + q], scaling)
@@ -286,23 +284,8 @@ class PagedBackend(Backend):
 
     # ------------------------------------------------------------------ prefill
 
-    @torch.inference_mode()
     def prefill_chunk(self, row_id, token_ids, start_pos, compute_logits):
-        row = self._rows.get(row_id) or self._start_row(row_id)
-        if row.seq_len != start_pos:
-            raise ValueError(f"row {row_id}: KV holds {row.seq_len} tokens, chunk starts at {start_pos}")
-        n = len(token_ids)
-        end = start_pos + n
-        self._check_room(row_id, row, end)
-        slots = self._slots(row.block_ids, range(start_pos, end))
-        meta = PagedForward(
-            cache=self.cache, slots=slots, is_prefill=True, start=start_pos, seq_lens=[end],
-            block_tables=torch.tensor([row.block_ids[: cdiv(end, self.block_size)]], device=self.device))
-        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        pos = torch.arange(start_pos, end, device=self.device).unsqueeze(0)
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, paged_forward=meta)
-        row.seq_len = end
-        return out.logits[0, -1].float() if compute_logits else None
+        return self.prefill_chunks([PrefillChunk(row_id, token_ids, start_pos, compute_logits)])[0]
 
     packs_prefill = True
 
@@ -311,9 +294,6 @@ class PagedBackend(Backend):
         """Several rows' prefill chunks packed into one sequence ``[1, Σ q_i]``: the linear
         layers run once for all of them; attention runs per row over its own KV. Row
         state advances only after the forward succeeds."""
-        if len(chunks) == 1:
-            c = chunks[0]
-            return [self.prefill_chunk(c.row_id, c.token_ids, c.start_pos, c.compute_logits)]
         rows, segments, slots, ids, positions, tables, lens, last = [], [], [], [], [], [], [], []
         offset = 0
         for c in chunks:
