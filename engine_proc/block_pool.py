@@ -99,6 +99,7 @@ class PrefixMatch:
     block_ids: list[int]
     num_tokens: int
     num_evictable_blocks: int = 0
+    hashes: list[BlockHash] = field(default_factory=list, compare=False, repr=False)  # their chain
 
 
 @dataclass
@@ -152,9 +153,9 @@ class BlockPool:
         Pure: changes no refcount, queue or statistic (the scheduler may re-ask every tick
         while a request is soft-held; hits are counted once, by ``allocate``).
         """
-        ids, _ = self._match(token_ids, self._max_hit_blocks(token_ids))
+        ids, hashes = self._match(token_ids, self._max_hit_blocks(token_ids))
         evictable = sum(1 for b in ids if self._ref_cnt[b] == 0)
-        return PrefixMatch(ids, len(ids) * self.block_size, evictable)
+        return PrefixMatch(ids, len(ids) * self.block_size, evictable, hashes)
 
     def blocks_needed(self, num_tokens: int, num_cached_tokens: int = 0) -> int:
         """Fresh blocks to cover ``num_tokens`` token slots when the first
@@ -226,14 +227,16 @@ class BlockPool:
 
     # ------------------------------------------------------------------ mutations
 
-    def allocate(self, row_id: str, token_ids: Sequence[int], num_tokens: int) -> list[int]:
+    def allocate(self, row_id: str, token_ids: Sequence[int], num_tokens: int,
+                 match: PrefixMatch | None = None) -> list[int]:
         """Create ``row_id``'s block table covering ``num_tokens`` token slots.
 
         The leading full blocks of ``token_ids`` that are cached (``match_prefix``, further
         capped at ``num_tokens // block_size``) are shared: refcount + 1, and taken out of
         the free queue if they were free. The rest are fresh blocks from the free-queue
         front (evicting their old hashes). ``num_cached_tokens(row_id)`` then says how
-        many tokens were reused. Returns a copy of the table.
+        many tokens were reused. ``match``: this pool's ``match_prefix(token_ids)`` taken
+        since its last change, to spare hashing the prompt again. Returns a copy of the table.
 
         Raises NoFreeBlocks (pool unchanged) if fresh + evictable hit blocks exceed the
         free blocks; ValueError if ``row_id`` already has a table or ``num_tokens < 0``.
@@ -243,7 +246,10 @@ class BlockPool:
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         max_hits = min(self._max_hit_blocks(token_ids), num_tokens // self.block_size)
-        hit_ids, hit_hashes = self._match(token_ids, max_hits)
+        if match is None or not self.enable_prefix_caching:
+            hit_ids, hit_hashes = self._match(token_ids, max_hits)
+        else:
+            hit_ids, hit_hashes = match.block_ids[:max_hits], match.hashes[:max_hits]
         num_fresh = cdiv(num_tokens, self.block_size) - len(hit_ids)
         needed = num_fresh + sum(1 for b in hit_ids if self._ref_cnt[b] == 0)
         if needed > len(self._free):

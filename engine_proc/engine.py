@@ -15,7 +15,6 @@ Tick thread (holds the backend lock for the whole tick)
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import os
@@ -33,7 +32,7 @@ import zmq
 
 from engine_proc.backends.base import Backend, pick_device, pick_dtype
 from engine_proc.block_pool import BlockPool
-from engine_proc.gates import Limits, never_fits
+from engine_proc.gates import never_fits
 from engine_proc.policy import make_policy
 from engine_proc.request import Request
 from engine_proc.scheduler import Scheduler
@@ -460,12 +459,9 @@ def run_engine(config: cfg.EngineConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tickserve engine", description="Run the engine process alone.")
-    cfg.add_arguments(parser, cfg.EngineConfig)
-    args = parser.parse_args(argv)
-    config = cfg.build(cfg.EngineConfig, args, os.environ)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run_engine(config)
+    from shared.cli import process_config
+
+    return run_engine(process_config(cfg.EngineConfig, "tickserve engine", "Run the engine process alone.", argv))
 
 
 if __name__ == "__main__":

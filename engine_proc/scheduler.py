@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine_proc.backends.base import Backend, PrefillChunk
-from engine_proc.block_pool import BlockPool
+from engine_proc.block_pool import BlockPool, PrefixMatch
 from engine_proc.gates import Limits, never_fits
 from engine_proc.policy import SchedulingPolicy
 from engine_proc.request import Request, RequestStatus
@@ -49,6 +49,7 @@ class AdmitVerdict(enum.Enum):
 @dataclass(frozen=True)
 class AdmitDecision:
     verdict: AdmitVerdict
+    match: PrefixMatch | None = None  # the prefix-cache lookup, reused by the allocation
     reason: RejectReason | None = None  # which gate held or rejected
 
 
@@ -213,7 +214,7 @@ class Scheduler:
             return AdmitDecision(AdmitVerdict.SOFT_HOLD, reason=RejectReason(
                 RejectCode.BLOCK_POOL, "not enough free KV blocks", self.limits.blocks_for(need),
                 pool.num_free_blocks))
-        return AdmitDecision(AdmitVerdict.ADMIT)
+        return AdmitDecision(AdmitVerdict.ADMIT, match=match)
 
     def _admit_pending(self) -> None:
         while len(self._pending) and len(self._active) + len(self._prefilling) < self.max_batch_size:
@@ -229,11 +230,11 @@ class Scheduler:
                 self.num_rejected += 1
                 self._finish(req, RequestStatus.FINISHED_ERROR)
                 continue
-            self._admit(req)
+            self._admit(req, decision.match)
 
-    def _admit(self, req: Request) -> None:
+    def _admit(self, req: Request, match: PrefixMatch | None) -> None:
         cached_ids = req.prompt_token_ids if self.prefix_caching else []
-        self.block_pool.allocate(req.request_id, cached_ids, req.max_total_tokens)
+        self.block_pool.allocate(req.request_id, cached_ids, req.max_total_tokens, match)
         req.num_cached_tokens = self.block_pool.num_cached_tokens(req.request_id) if self.prefix_caching else 0
         req.num_computed_tokens = req.num_cached_tokens
         req.kv_reserved = req.max_total_tokens

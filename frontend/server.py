@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -61,13 +60,10 @@ def run_frontend(config: cfg.FrontendConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tickserve frontend",
-                                     description="Run one HTTP frontend against a running engine.")
-    cfg.add_arguments(parser, cfg.FrontendConfig)
-    args = parser.parse_args(argv)
-    config = cfg.build(cfg.FrontendConfig, args, os.environ)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run_frontend(config)
+    from shared.cli import process_config
+
+    return run_frontend(process_config(cfg.FrontendConfig, "tickserve frontend",
+                                       "Run one HTTP frontend against a running engine.", argv))
 
 
 if __name__ == "__main__":

@@ -102,6 +102,18 @@ class Supervisor:
             shutil.rmtree(self.engine_config.run_dir, ignore_errors=True)
 
 
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+def process_config(cls: type, prog: str, description: str, argv: list[str] | None):
+    """Config of one process from its flags and ``TICKSERVE_*`` environment; sets up logging."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    cfg.add_arguments(parser, cls)
+    config = cfg.build(cls, parser.parse_args(argv), os.environ)
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
+    return config
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: ask Linux for SIGTERM when the parent dies."""
     if sys.platform.startswith("linux"):
@@ -172,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         from frontend.server import main as frontend_main
         return frontend_main(argv[1:])
     args = parser.parse_args(argv)
-    logging.basicConfig(level=(args.log_level or "info").upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=(args.log_level or "info").upper(), format=LOG_FORMAT)
     return cmd_serve(args)
 
 

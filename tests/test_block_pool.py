@@ -439,3 +439,20 @@ def test_extend_prefix_hit_swaps_unwritten_blocks_for_newly_cached_ones():
     pool.free("b")
     pool.check_invariants()
     assert pool.num_free_blocks == 10
+
+
+def test_allocate_with_a_fresh_match_equals_allocate_without():
+    """Passing match_prefix's result to allocate (the scheduler's admit path) reuses the
+    same blocks as letting allocate look the prefix up itself."""
+    tables = []
+    for reuse in (False, True):
+        pool = BlockPool(num_blocks=12, block_size=4)
+        prompt = list(range(50, 63))
+        pool.allocate("warm", prompt, 13)
+        pool.commit_full_blocks("warm", prompt)
+        pool.free("warm")
+        match = pool.match_prefix(prompt)
+        tables.append(pool.allocate("r", prompt, 16, match if reuse else None))
+        assert pool.num_cached_tokens("r") == 12
+        pool.check_invariants()
+    assert tables[0] == tables[1]

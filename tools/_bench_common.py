@@ -156,3 +156,18 @@ def machine_info(when: str) -> dict:
 def torch_info() -> dict:
     import torch
     return {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+
+
+def save_figure(fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"wrote {path}")
+
+
+def run_main(main) -> None:
+    """Exit with ``main()``'s code; Ctrl-C (or SIGTERM, see :func:`sigterm_as_interrupt`) → 130."""
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        log("interrupted")
+        sys.exit(130)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 
 import _bench_common as bc
@@ -184,9 +183,7 @@ def plot(results: list[dict], bounds: dict, path: str) -> None:
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("cumulative service (w_p·prompt + w_q·output tokens)")
     axes[0][0].legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    bc.log(f"wrote {path}")
+    bc.save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -252,8 +249,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        bc.log("interrupted")
-        sys.exit(130)
+    bc.run_main(main)

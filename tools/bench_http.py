@@ -310,8 +310,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        bc.log("interrupted")
-        sys.exit(130)
+    bc.run_main(main)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 
 import _bench_common as bc
@@ -220,9 +219,7 @@ def plot(results: list[dict], path: str) -> None:
                  f"{first['streams']} streams decode: ITL per tick")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    bc.log(f"wrote {path}")
+    bc.save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -269,8 +266,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        bc.log("interrupted")
-        sys.exit(130)
+    bc.run_main(main)

@@ -17,7 +17,6 @@ scheduler, so padding never shifts RoPE.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
