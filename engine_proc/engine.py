@@ -144,9 +144,10 @@ def make_backend(config: cfg.EngineConfig, model, max_model_len: int, pool: Bloc
 class EngineServer:
     """Runs the two threads over bound sockets until :meth:`stop`."""
 
-    def __init__(self, config: cfg.EngineConfig, scheduler: Scheduler):
+    def __init__(self, config: cfg.EngineConfig, scheduler: Scheduler, runtime: p.RuntimeInfo | None = None):
         self.config = config
         self.scheduler = scheduler
+        self.runtime = runtime or runtime_info(config, scheduler)
         self.engine_id = uuid.uuid4().hex[:12]
         self.limits = scheduler.limits
         self.ctx = zmq.Context.instance()
@@ -280,7 +281,7 @@ class EngineServer:
         elif isinstance(msg, p.Hello):
             self.outbound.publish(topic_for(msg.frontend_id), p.Welcome(
                 self.engine_id, self.limits.max_model_len, self.scheduler.eos_token_ids,
-                self.config.max_queue_size, self.config.heartbeat_interval_s))
+                self.config.max_queue_size, self.config.heartbeat_interval_s, self.runtime))
         elif isinstance(msg, p.StatsRequest):  # answered by the tick thread, between ticks
             self._inbox.put(msg)
             self._wake.set()
@@ -386,7 +387,8 @@ class EngineServer:
                 self.scheduler.abort_frontend(item.frontend_id)
             elif isinstance(item, p.StatsRequest):
                 data = dict(self.scheduler.stats(), num_waiting=self.num_waiting, bad_frames=self.bad_frames,
-                            num_frontends=len(self._frontends), engine_id=self.engine_id)
+                            num_frontends=len(self._frontends), engine_id=self.engine_id,
+                            runtime=dataclasses.asdict(self.runtime))
                 out.send_multipart([topic_for(item.frontend_id), codec.encode(p.Stats(item.nonce, data))])
 
     def _send_outputs(self, sock: zmq.Socket, outputs: list[tuple[str, p.RequestOutput]]) -> None:
@@ -411,6 +413,17 @@ class EngineServer:
             pass
 
 
+def runtime_info(config: cfg.EngineConfig, scheduler: Scheduler, model_dir: str = "") -> p.RuntimeInfo:
+    """The engine's :class:`~shared.protocol.RuntimeInfo`, read off what actually runs."""
+    backend = scheduler.backend
+    dtype = next(backend.model.parameters()).dtype if hasattr(backend, "model") else None
+    return p.RuntimeInfo(
+        model=str(model_dir or config.model), device=str(backend.device),
+        dtype=str(dtype).removeprefix("torch.") if dtype is not None else "unknown",
+        torch_threads=torch.get_num_threads(), backend=config.backend,
+        prefill_mode=scheduler.prefill_mode.value, policy=config.policy)
+
+
 def configure_torch(config: cfg.EngineConfig) -> None:
     threads = config.torch_threads or max(1, (os.cpu_count() or 2) - 1)
     torch.set_num_threads(threads)
@@ -428,7 +441,7 @@ def run_engine(config: cfg.EngineConfig) -> int:
     configure_torch(config)
     model, model_dir = load_model(config)
     scheduler = build_scheduler(config, model)
-    server = EngineServer(config, scheduler)
+    server = EngineServer(config, scheduler, runtime_info(config, scheduler, str(model_dir)))
     drain_deadline: list[float] = []
 
     def on_signal(signum, frame):
@@ -443,9 +456,8 @@ def run_engine(config: cfg.EngineConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
-    log.info("engine %s serving %s on %s (device %s, backend %s, policy %s, prefill %s)",
-             server.engine_id, model_dir, config.resolved_input_addr, scheduler.backend.device,
-             config.backend, config.policy, scheduler.prefill_mode.value)
+    log.info("engine %s serving %s on %s (%s)", server.engine_id, model_dir,
+             config.resolved_input_addr, server.runtime.summary())
     print(f"tickserve engine ready input={config.resolved_input_addr} "
           f"output={config.resolved_output_addr}", flush=True)
     while not server._stop.is_set():

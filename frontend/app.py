@@ -559,7 +559,10 @@ class Frontend:
         return JSONResponse({"status": "ok", "engine_id": self.client.engine_id})
 
     async def version(self, request: Request) -> Response:
-        return JSONResponse({"version": VERSION})
+        welcome = self.client.welcome
+        runtime = dataclasses.asdict(welcome.runtime) if welcome and welcome.runtime else None
+        return JSONResponse({"version": VERSION, "runtime": runtime,
+                             "transport": self.client.transport_name})
 
     async def scheduler_stats(self, request: Request) -> Response:
         try:
@@ -567,7 +570,8 @@ class Frontend:
         except EngineUnavailable as exc:
             raise _unavailable(str(exc)) from None
         return JSONResponse({**data, "frontend": {"frontend_id": self.client.frontend_id,
-                                                  "in_flight": self.client.num_in_flight}})
+                                                  "in_flight": self.client.num_in_flight,
+                                                  "transport": self.client.transport_name}})
 
     async def prometheus(self, request: Request) -> Response:
         try:

@@ -95,6 +95,11 @@ class EngineClient:
         return self._up.is_set()
 
     @property
+    def transport_name(self) -> str:
+        """The carrier this frontend reaches the engine by (``zmq``)."""
+        return "zmq"
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -221,7 +226,8 @@ class EngineClient:
                 self.engine_id = msg.engine_id
                 self._last_heartbeat = time.monotonic()
                 self._up.set()
-                log.info("connected to engine %s", msg.engine_id)
+                log.info("connected to engine %s over %s (%s)", msg.engine_id, self.transport_name,
+                         msg.runtime.summary() if msg.runtime else "runtime not reported")
         else:
             self._call(self._dispatch, msg)
 

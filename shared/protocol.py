@@ -209,12 +209,33 @@ class StatsRequest:
 
 
 @dataclass(frozen=True)
+class RuntimeInfo:
+    """What an engine runs: the one record that its start-up line, the frontend's
+    ``/version`` and ``/scheduler/stats`` all read (see :meth:`summary`)."""
+
+    model: str  # model directory or file the engine loaded
+    device: str  # torch device, e.g. "cpu", "cuda:0"
+    dtype: str  # weights and KV cache, e.g. "float32", "bfloat16"
+    torch_threads: int  # intra-op threads of the tick thread
+    backend: str  # "paged" | "hf"
+    prefill_mode: str  # resolved PREFILL_MODE
+    policy: str  # "fcfs" | "fair"
+
+    def summary(self) -> str:
+        """One line for logs: ``device cpu, dtype float32, 1 thread, backend paged, ...``."""
+        threads = f"{self.torch_threads} thread{'s' if self.torch_threads != 1 else ''}"
+        return (f"device {self.device}, dtype {self.dtype}, {threads}, backend {self.backend}, "
+                f"prefill {self.prefill_mode}, policy {self.policy}")
+
+
+@dataclass(frozen=True)
 class Welcome:
     engine_id: str
     max_model_len: int  # tokens
     eos_token_ids: list[int]
     max_queue_size: int  # requests
     heartbeat_interval_s: float
+    runtime: RuntimeInfo | None = None  # what the engine runs
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,13 @@ def test_models_health_version_tokenize_detokenize(stack, client):
     models = client.models.list().data
     assert [m.id for m in models] == [stack.model]
     assert httpx.get(f"{stack.base}/health").json()["status"] == "ok"
-    assert httpx.get(f"{stack.base}/version").json()["version"]
+    version = httpx.get(f"{stack.base}/version").json()
+    assert version["version"] and version["transport"] == "zmq"
+    # One runtime record, read by /version and /scheduler/stats alike.
+    runtime = version["runtime"]
+    assert runtime["device"] == "cpu" and runtime["torch_threads"] == 1 and runtime["backend"] == "paged"
+    assert runtime["dtype"] == "float32" and runtime["prefill_mode"] == "chunked"
+    assert httpx.get(f"{stack.base}/scheduler/stats").json()["runtime"] == runtime
 
     status, tok, _ = http_json(f"{stack.base}/tokenize", {"prompt": "Hello, world! 日本"})
     assert status == 200 and tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 2048

@@ -30,6 +30,7 @@ EXAMPLES = [
     p.Goodbye("fe-1"),
     p.StatsRequest("fe-1", 42),
     p.Welcome("eng", 2048, [2], 256, 0.25),
+    p.Welcome("eng", 2048, [2], 256, 0.25, p.RuntimeInfo("/m", "cpu", "float32", 1, "paged", "chunked", "fcfs")),
     p.Ack("r1", True),
     p.Ack("r2", False, p.RejectReason(p.RejectCode.KV_BUDGET, "too big", 900, 512)),
     p.StepOutput([p.RequestOutput("r1", [5, 6], None, [p.TokenLogprob(5, -0.1, [5, 8], [-0.1, -2.0]),
