@@ -417,11 +417,16 @@ def runtime_info(config: cfg.EngineConfig, scheduler: Scheduler, model_dir: str 
     """The engine's :class:`~shared.protocol.RuntimeInfo`, read off what actually runs."""
     backend = scheduler.backend
     dtype = next(backend.model.parameters()).dtype if hasattr(backend, "model") else None
+    from engine_proc.model_loader import model_fingerprint
+
+    schemes = sorted({addr.split("://", 1)[0] for addr in (config.resolved_input_addr, config.resolved_output_addr)})
     return p.RuntimeInfo(
         model=str(model_dir or config.model), device=str(backend.device),
         dtype=str(dtype).removeprefix("torch.") if dtype is not None else "unknown",
         torch_threads=torch.get_num_threads(), backend=config.backend,
-        prefill_mode=scheduler.prefill_mode.value, policy=config.policy)
+        prefill_mode=scheduler.prefill_mode.value, policy=config.policy,
+        transport="zmq " + "+".join(schemes),
+        model_fingerprint=model_fingerprint(model_dir) if model_dir else "")
 
 
 def configure_torch(config: cfg.EngineConfig) -> None:

@@ -34,6 +34,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from frontend.cors import cors_middleware
 from frontend.detokenizer import TextStream, token_bytes_of
 from frontend.engine_client import EngineClient, EngineUnavailable, Rejected, RequestStream
 from frontend.metrics import FrontendMetrics, RequestTimer
@@ -546,10 +547,20 @@ class Frontend:
             watcher.cancel()
             await it.aclose()
 
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tickserve",
+                "max_model_len": self.max_model_len}
+
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": 0, "owned_by": "tickserve",
-            "max_model_len": self.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}`` (the openai client's ``models.retrieve``)."""
+        model_id = request.path_params["model_id"]
+        if model_id != self.model_name:
+            raise HTTPError(404, f"the model {model_id!r} does not exist; this server serves "
+                                 f"{self.model_name!r}", param="model", code="model_not_found")
+        return JSONResponse(self._model_card())
 
     async def health(self, request: Request) -> Response:
         if self.draining:
@@ -688,6 +699,7 @@ def create_app(config: FrontendConfig, tokenizer, model_name: str,
         Route("/v1/completions", _wrap(frontend.completions, frontend), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(frontend.chat_completions, frontend), methods=["POST"]),
         Route("/v1/models", _wrap(frontend.models, frontend), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", _wrap(frontend.model, frontend), methods=["GET"]),
         Route("/tokenize", _wrap(frontend.tokenize, frontend), methods=["POST"]),
         Route("/detokenize", _wrap(frontend.detokenize, frontend), methods=["POST"]),
         Route("/health", frontend.health, methods=["GET"]),
@@ -695,6 +707,7 @@ def create_app(config: FrontendConfig, tokenizer, model_name: str,
         Route("/scheduler/stats", _wrap(frontend.scheduler_stats, frontend), methods=["GET"]),
         Route("/metrics", _wrap(frontend.prometheus, frontend), methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_exception})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_exception},
+                    middleware=cors_middleware(config.allowed_origins))
     app.state.frontend = frontend
     return app

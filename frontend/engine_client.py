@@ -79,6 +79,11 @@ class EngineClient:
         self._ids = itertools.count()
         self.welcome: p.Welcome | None = None
         self.engine_id: str | None = None
+        # The frontend's own model fingerprint; an engine whose Welcome names another is
+        # refused (its token ids would not mean what this frontend's tokenizer thinks).
+        self.expected_fingerprint = ""
+        self.refused: str | None = None  # why the engine was refused, once it was
+        self.on_refused = None  # callable(reason), called from the receiver thread
         self._last_heartbeat = 0.0
         self._up = threading.Event()
         self._stop = threading.Event()
@@ -221,7 +226,12 @@ class EngineClient:
                 self._engine_down("the engine restarted")
             self._last_heartbeat = time.monotonic()
         elif isinstance(msg, p.Welcome):
-            if not self._up.is_set():
+            if self.refused is None and self._model_mismatch(msg):
+                self.refused = self._model_mismatch(msg)
+                log.error("%s", self.refused)
+                if self.on_refused is not None:
+                    self.on_refused(self.refused)
+            if not self._up.is_set() and self.refused is None:
                 self.welcome = msg
                 self.engine_id = msg.engine_id
                 self._last_heartbeat = time.monotonic()
@@ -230,6 +240,15 @@ class EngineClient:
                          msg.runtime.summary() if msg.runtime else "runtime not reported")
         else:
             self._call(self._dispatch, msg)
+
+    def _model_mismatch(self, welcome: p.Welcome) -> str | None:
+        """Why this engine's model differs from the frontend's, or ``None``."""
+        theirs = welcome.runtime.model_fingerprint if welcome.runtime else ""
+        if not (self.expected_fingerprint and theirs) or theirs == self.expected_fingerprint:
+            return None
+        return (f"the engine serves another model ({welcome.runtime.model}, fingerprint {theirs}) "
+                f"than this frontend tokenizes for (fingerprint {self.expected_fingerprint}); "
+                "start both with the same --model")
 
     def _dispatch(self, msg) -> None:
         """Event loop thread: owns _acks, _streams and _stats_waiters."""

@@ -23,6 +23,13 @@ class DrainingServer(uvicorn.Server):
         self.frontend = frontend
         self.drain_timeout_s = drain_timeout_s
 
+    exit_code = 0
+
+    def refuse(self, reason: str) -> None:
+        """The engine cannot be used (it serves another model): stop with exit code 2."""
+        self.exit_code = 2
+        self.should_exit = True
+
     def handle_exit(self, sig, frame) -> None:
         if self.frontend.draining:
             return super().handle_exit(sig, frame)
@@ -41,13 +48,17 @@ def run_frontend(config: cfg.FrontendConfig) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer
 
-    from engine_proc.model_loader import model_display_name, resolve_model
+    from engine_proc.model_loader import ModelNotFound, model_display_name, model_fingerprint, resolve_model
     from frontend.app import create_app
 
     if not (config.run_dir or (config.input_addr and config.output_addr)):
         logging.error("the frontend needs --run-dir or --input-addr/--output-addr of a running engine")
         return 2
-    model_dir = resolve_model(config.model)
+    try:
+        model_dir = resolve_model(config.model)
+    except ModelNotFound as exc:
+        logging.error("%s", exc)
+        return 2
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     name = config.served_model_name or model_display_name(config.model)
     app = create_app(config, tokenizer, name)
@@ -55,8 +66,11 @@ def run_frontend(config: cfg.FrontendConfig) -> int:
                                            log_level=config.log_level.lower(), access_log=False,
                                            timeout_graceful_shutdown=5),
                             app.state.frontend, config.drain_timeout_s)
+    client = app.state.frontend.client
+    client.expected_fingerprint = model_fingerprint(model_dir)
+    client.on_refused = server.refuse
     server.run()
-    return 0
+    return server.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

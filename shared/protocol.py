@@ -220,12 +220,15 @@ class RuntimeInfo:
     backend: str  # "paged" | "hf"
     prefill_mode: str  # resolved PREFILL_MODE
     policy: str  # "fcfs" | "fair"
+    transport: str = ""  # how frontends reach the engine, e.g. "zmq ipc", "zmq tcp"
+    model_fingerprint: str = ""  # hex digest of config + tokenizer files; frontends compare theirs
 
     def summary(self) -> str:
         """One line for logs: ``device cpu, dtype float32, 1 thread, backend paged, ...``."""
         threads = f"{self.torch_threads} thread{'s' if self.torch_threads != 1 else ''}"
         return (f"device {self.device}, dtype {self.dtype}, {threads}, backend {self.backend}, "
-                f"prefill {self.prefill_mode}, policy {self.policy}")
+                f"prefill {self.prefill_mode}, policy {self.policy}"
+                + (f", transport {self.transport}" if self.transport else ""))
 
 
 @dataclass(frozen=True)
