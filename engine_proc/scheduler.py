@@ -18,6 +18,11 @@ One tick, in this order (the worker holds the backend lock throughout)::
 
 Admit and prefill run before evict so that a row whose *first* token ends it is
 still seen by ③ and its token streamed; do not reorder without re-deriving that.
+
+``PREFILL_MODE=mixed_batch`` (version B) runs ① → ③ → ②+④: :meth:`Scheduler.mixed_step`
+is one forward pass for the decode rows and the tick's prefill chunks under one token
+budget. ③ must precede it (a finished row must not be fed); a row whose first token
+ends it is promoted with that token streamed and is evicted by the next tick's ③.
 """
 
 from __future__ import annotations
@@ -104,12 +109,20 @@ class Scheduler:
                  prefix_caching: bool = False,
                  on_left_pending: Callable[[Request], None] | None = None):
         mode = config.resolved_prefill_mode
-        if mode not in (PrefillMode.MONOLITHIC, PrefillMode.CHUNKED):
+        if mode not in (PrefillMode.MONOLITHIC, PrefillMode.CHUNKED, PrefillMode.MIXED_BATCH):
             raise NotImplementedError(f"PREFILL_MODE={mode.value} is not implemented yet "
-                                      "(monolithic and chunked are)")
+                                      "(monolithic, chunked and mixed_batch are)")
+        if mode is PrefillMode.MIXED_BATCH and not backend.packs_mixed:
+            raise NotImplementedError(f"PREFILL_MODE=mixed_batch needs a backend that mixes decode rows and "
+                                      f"prefill chunks in one pass (paged); {type(backend).__name__} does not")
         self.config = config
         self.prefill_mode = mode
         self.chunk_size = config.prefill_chunk_size if mode is PrefillMode.CHUNKED else 0
+        # mixed_batch: tokens of one tick's pass, decode rows first (vLLM's max_num_batched_tokens)
+        self.token_budget = config.resolved_max_num_batched_tokens if mode is PrefillMode.MIXED_BATCH else 0
+        if mode is PrefillMode.MIXED_BATCH and self.token_budget <= config.max_batch_size:
+            raise ValueError(f"max_num_batched_tokens ({self.token_budget}) must exceed max_batch_size "
+                             f"({config.max_batch_size})")
         self.backend = backend
         self.policy = policy
         self.block_pool = block_pool
@@ -177,6 +190,10 @@ class Scheduler:
         """
         self.num_ticks += 1
         self._admit_pending()
+        if self.prefill_mode is PrefillMode.MIXED_BATCH:  # ② and ④ are one pass: ③ goes first
+            self.evict_finished()
+            self.mixed_step()
+            return self.drain_outputs()
         self.advance_prefill_chunk()
         if stream is not None and self._out.items:
             stream(self.drain_outputs())
@@ -263,26 +280,38 @@ class Scheduler:
         say) share one pass instead of each costing a tick. Rows promote on their final
         chunk. A failing pass fails only the rows in it (their prefill KV is their own).
         """
-        plan = self._plan_prefill()
+        self._run_prefill_plan(self._plan_prefill(self.chunk_size))
+
+    def _run_prefill_plan(self, plan: list[tuple[Request, int, int]]) -> None:
+        """Run ``(request, start, end)`` prompt ranges: one packed pass if the backend packs,
+        else row by row. Rows whose prompt completes are promoted."""
         if len(plan) > 1 and self.backend.packs_prefill:
-            chunks = [PrefillChunk(req.request_id, req.prompt_token_ids[start:end], start, end == req.prompt_len)
-                      for req, start, end in plan]
+            chunks = self._chunks(plan)
             try:
                 logits = self.backend.prefill_chunks(chunks)
             except Exception:  # the pass changed no row state: find the culprit row by row
                 log.exception("packed prefill of %d rows failed; retrying them one at a time", len(plan))
             else:
-                for (req, _, end), row_logits in zip(plan, logits):
-                    if self._isolated(req, self._after_prefill, req, end, row_logits):
-                        self._prefilling.remove(req)
+                self._after_prefills(plan, logits)
                 return
         for req, start, end in plan:
             if self._isolated(req, self._run_prefill, req, end - start):
                 self._prefilling.remove(req)
 
-    def _plan_prefill(self) -> list[tuple[Request, int, int]]:
-        """``(request, start, end)`` prompt ranges for this tick within the token budget."""
-        budget = self.chunk_size
+    @staticmethod
+    def _chunks(plan: list[tuple[Request, int, int]]) -> list[PrefillChunk]:
+        return [PrefillChunk(req.request_id, req.prompt_token_ids[start:end], start, end == req.prompt_len)
+                for req, start, end in plan]
+
+    def _after_prefills(self, plan: list[tuple[Request, int, int]], logits: list) -> None:
+        """Record a successful pass's prefill ranges; promote rows whose prompt completed."""
+        for (req, _, end), row_logits in zip(plan, logits):
+            if self._isolated(req, self._after_prefill, req, end, row_logits):
+                self._prefilling.remove(req)
+
+    def _plan_prefill(self, budget: int) -> list[tuple[Request, int, int]]:
+        """``(request, start, end)`` prompt ranges for this tick within ``budget`` tokens,
+        oldest row first."""
         plan: list[tuple[Request, int, int]] = []
         for req in self._prefilling:
             if budget <= 0:
@@ -362,11 +391,17 @@ class Scheduler:
         rows = self._active
         if not rows:
             return
-        logits = self.backend.decode_step_batched(
-            [r.request_id for r in rows],
-            [r.output_token_ids[-1] for r in rows],
-            [r.num_tokens - 1 for r in rows],
-        )
+        logits = self.backend.decode_step_batched(*self._decode_inputs(rows))
+        self._after_decode(rows, logits)
+
+    @staticmethod
+    def _decode_inputs(rows: list[Request]) -> tuple[list[str], list[int], list[int]]:
+        """Row ids, the token each feeds (its last output) and that token's position."""
+        return ([r.request_id for r in rows], [r.output_token_ids[-1] for r in rows],
+                [r.num_tokens - 1 for r in rows])
+
+    def _after_decode(self, rows: list[Request], logits) -> None:
+        """Sample one token per decode row from ``logits`` ``[len(rows), vocab]``."""
         states = [self._sampling[r.request_id] for r in rows]
         sample = self.sampler(logits, states)
         for i, req in enumerate(rows):
@@ -386,6 +421,38 @@ class Scheduler:
                 written = req.num_computed_tokens - req.prompt_len
                 self.block_pool.commit_full_blocks(
                     req.request_id, req.prompt_token_ids + req.output_token_ids[:written])
+
+    # ------------------------------------------------------------------ ②+④ mixed_batch
+
+    def mixed_step(self) -> None:
+        """②+④ as one forward pass (``PREFILL_MODE=mixed_batch``, the card's version B).
+
+        The tick's token budget (``max_num_batched_tokens``) goes first to the decode
+        rows, one token each, so running streams never wait; prefill chunks take what is
+        left, oldest row first (as :meth:`advance_prefill_chunk` spends its budget).
+        Rows whose prompt completes are promoted through :meth:`_promote_to_decode`
+        after the pass and decode from the next tick. If the mixed pass fails (it
+        changed no row state), its prefill and decode run again as separate passes, so a
+        bad prompt fails only its own row.
+        """
+        rows = list(self._active)
+        plan = self._plan_prefill(self.token_budget - len(rows))
+        if not plan:
+            self.decode_step()
+            return
+        if not rows:
+            self._run_prefill_plan(plan)
+            return
+        try:
+            logits, prefill_logits = self.backend.mixed_step(*self._decode_inputs(rows), self._chunks(plan))
+        except Exception:
+            log.exception("mixed pass of %d decode rows and %d prefill chunks failed; retrying them "
+                          "as separate passes", len(rows), len(plan))
+            self._run_prefill_plan(plan)
+            self.decode_step()
+            return
+        self._after_decode(rows, logits)
+        self._after_prefills(plan, prefill_logits)
 
     # ------------------------------------------------------------------ tokens and exits
 
@@ -462,6 +529,7 @@ class Scheduler:
         pool = self.block_pool
         return {
             "prefill_mode": self.prefill_mode.value,
+            "max_num_batched_tokens": self.token_budget or None,  # mixed_batch only
             "num_pending": len(self._pending),
             "num_prefilling": len(self._prefilling),
             "num_active": len(self._active),

@@ -25,7 +25,7 @@ class PrefillMode(str, enum.Enum):
 
     MONOLITHIC = "monolithic"  # whole prompt in one forward on admit
     CHUNKED = "chunked"  # version A: one PREFILL_CHUNK_SIZE chunk per tick, own pass
-    MIXED_BATCH = "mixed_batch"  # version B: decode rows + a chunk in one pass (not built)
+    MIXED_BATCH = "mixed_batch"  # version B: decode rows + prefill chunks in one pass, one token budget
     DISAGGREGATED = "disaggregated"  # P/D on separate workers (not built)
 
 
@@ -55,6 +55,7 @@ class EngineConfig:
     max_batch_size: int = _opt(32, "rows running at once, prefilling plus decoding (card: MAX_BATCH_SIZE)")
     prefill_chunk_size: int = _opt(256, "tokens of one prompt per tick in chunked mode (card: PREFILL_CHUNK_SIZE)")
     prefill_mode: str = _opt("", "monolithic | chunked | mixed_batch | disaggregated; empty → chunked if prefill_chunk_size > 0")
+    max_num_batched_tokens: int = _opt(0, "mixed_batch: tokens in one tick's forward pass, one per decode row first, prefill chunks get the rest; 0 → max_batch_size + prefill_chunk_size")
     policy: str = _opt("fcfs", "fcfs | fair (Virtual Token Counter)")
     fair_prompt_weight: float = _opt(1.0, "VTC weight w_p of a prompt token (Sheng et al., OSDI'24)")
     fair_output_weight: float = _opt(2.0, "VTC weight w_q of an output token (Sheng et al., OSDI'24)")
@@ -78,6 +79,14 @@ class EngineConfig:
         if self.prefill_mode:
             return PrefillMode(self.prefill_mode)
         return PrefillMode.CHUNKED if self.prefill_chunk_size > 0 else PrefillMode.MONOLITHIC
+
+    @property
+    def resolved_max_num_batched_tokens(self) -> int:
+        """mixed_batch's per-tick token budget (vLLM's ``max_num_batched_tokens``); the
+        default lets a full decode batch still leave a whole chunk for prefill."""
+        if self.max_num_batched_tokens > 0:
+            return self.max_num_batched_tokens
+        return self.max_batch_size + self.prefill_chunk_size
 
     @property
     def resolved_num_blocks(self) -> int:
@@ -110,6 +119,12 @@ class EngineConfig:
         else:
             if mode is PrefillMode.CHUNKED and self.prefill_chunk_size <= 0:
                 out.append("prefill_mode=chunked needs prefill_chunk_size > 0")
+            if mode is PrefillMode.MIXED_BATCH:
+                if self.resolved_max_num_batched_tokens <= self.max_batch_size:
+                    out.append("prefill_mode=mixed_batch needs max_num_batched_tokens > max_batch_size "
+                               "(a full decode batch must leave room for prefill)")
+                if self.backend == BackendName.HF.value:
+                    out.append("prefill_mode=mixed_batch needs backend paged")
         if self.policy not in {p.value for p in PolicyName}:
             out.append(f"unknown policy {self.policy!r}")
         if self.backend not in {b.value for b in BackendName}:

@@ -43,6 +43,15 @@ class RecordingBackend:
             self.logits.setdefault(rid, []).append(row.clone())
         return out
 
+    def mixed_step(self, row_ids, token_ids, positions, chunks):
+        decoded, prefilled = self.inner.mixed_step(row_ids, token_ids, positions, chunks)
+        for rid, row in zip(row_ids, decoded):
+            self.logits.setdefault(rid, []).append(row.clone())
+        for chunk, out in zip(chunks, prefilled):
+            if out is not None:
+                self.logits.setdefault(chunk.row_id, []).append(out.clone())
+        return decoded, prefilled
+
 
 def make_scheduler(model, record: bool = True, **overrides):
     config = EngineConfig(**{"max_model_len": 1024, "max_batch_size": 8, "prefill_chunk_size": 0,

@@ -9,6 +9,9 @@ Lifecycle of a row::
     prefill_chunk(...) × k      KV for prompt positions [0, prompt_len)
     promote(row)                the row joins the decode batch (_promote_to_decode)
     decode_step_batched(...) × m
+
+(``prefill_chunks`` packs several rows' chunks into one pass; ``mixed_step`` runs a
+decode step and prefill chunks in one pass. Both are optional, see ``packs_*``.)
     release(row)                from any state, idempotent
 """
 
@@ -57,6 +60,16 @@ class Backend(ABC):
         with ``packs_prefill``. Returns, per chunk, what :meth:`prefill_chunk` would.
         All or nothing: if it raises, no row's state has advanced."""
         raise NotImplementedError(f"{type(self).__name__} does not pack prefills")
+
+    packs_mixed: bool = False
+    """Whether :meth:`mixed_step` runs decode rows and prefill chunks in one forward pass."""
+
+    def mixed_step(self, row_ids: Sequence[str], token_ids: Sequence[int], positions: Sequence[int],
+                   chunks: Sequence[PrefillChunk]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """:meth:`decode_step_batched` and :meth:`prefill_chunks` in one forward pass, for
+        a backend with ``packs_mixed`` (``PREFILL_MODE=mixed_batch``). Returns
+        ``(decode logits [batch, vocab], per-chunk logits or None)``. All or nothing."""
+        raise NotImplementedError(f"{type(self).__name__} does not mix decode and prefill in one pass")
 
     @abstractmethod
     def promote(self, row_id: str) -> None:

@@ -152,9 +152,29 @@ class PagedForward:
         return self.block_tables[i, : cdiv(self.seq_lens[i], self.cache.block_size)]
 
 
+@dataclass
+class MixedForward:
+    """Metadata of a mixed pass (``PREFILL_MODE=mixed_batch``): one sequence
+    ``[1, B + Σ q_i]`` holding ``B`` decode rows as one-token segments first, then the
+    prefill chunks. Each part attends with its own path (``decode``, ``prefill``), so
+    the decode kernel choice carries over unchanged; the linear layers run once for all.
+
+    ``slots``: ``[B + Σ q_i]`` cache slots of every new token, decode rows first.
+    """
+
+    cache: PagedKVCache
+    slots: torch.Tensor
+    decode: PagedForward
+    prefill: PagedForward
+
+    @property
+    def num_decode(self) -> int:
+        return len(self.decode.seq_lens)
+
+
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None = None,
-                    dropout: float = 0.0, paged_forward: PagedForward | None = None,
+                    dropout: float = 0.0, paged_forward: PagedForward | MixedForward | None = None,
                     **kwargs) -> tuple[torch.Tensor, None]:
     """Attention over a paged KV cache (transformers' attention-function signature).
 
@@ -168,7 +188,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     meta = paged_forward
     layer = module.layer_idx
     meta.cache.write(layer, meta.slots, key, value)
-    if meta.is_prefill:
+    if isinstance(meta, MixedForward):
+        out = _mixed_attention(meta, layer, query, key, value, scaling)
+    elif meta.is_prefill:
         out = _prefill_attention(meta, layer, query, key, value, scaling)
     else:
         out = _decode_attention(meta, layer, query, scaling)
@@ -184,6 +206,17 @@ def _prefill_attention(meta: PagedForward, layer: int, query: torch.Tensor, key:
         _prefill_row(meta, layer, i, start, query[:, :, off:off + q], key[:, :, off:off + q],
                      value[:, :, off:off + q], scaling)
         for i, (off, q, start) in enumerate(meta.segments)], dim=2)
+
+
+def _mixed_attention(meta: MixedForward, layer: int, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Decode rows (the first ``B`` tokens of the sequence) through the decode path,
+    the prefill chunks after them through the prefill path. ``[1, heads, B + Σ q_i, dim]``."""
+    b = meta.num_decode
+    q_decode = query[0, :, :b].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, dim]
+    decoded = _decode_attention(meta.decode, layer, q_decode, scaling)
+    prefilled = _prefill_attention(meta.prefill, layer, query[:, :, b:], key[:, :, b:], value[:, :, b:], scaling)
+    return torch.cat([decoded.squeeze(2).transpose(0, 1).unsqueeze(0), prefilled], dim=2)
 
 
 def _prefill_row(meta: PagedForward, layer: int, i: int, start: int, query: torch.Tensor,
@@ -246,14 +279,36 @@ def _check_supported(config, max_model_len: int) -> None:
 
 
 @dataclass
+class _PassPart:
+    """One part of a forward pass being assembled: its tokens ``ids`` ``[n]`` at
+    ``positions`` ``[n]``, its attention metadata, the sequence indices whose logits it
+    needs (``keep``), and the row lengths to record once the pass succeeds."""
+
+    meta: PagedForward
+    ids: torch.Tensor
+    positions: torch.Tensor
+    keep: torch.Tensor
+    rows: list[tuple["_Row", int]]
+
+    def advance(self) -> None:
+        for row, end in self.rows:
+            row.seq_len = end
+
+    @staticmethod
+    def chunk_logits(logits: torch.Tensor, chunks) -> list[torch.Tensor | None]:
+        return [logits[i] if c.compute_logits else None for i, c in enumerate(chunks)]
+
+
+@dataclass
 class _Row:
     block_ids: list[int]  # the pool's table (covers the row's whole reservation)
     seq_len: int  # tokens whose KV is written
 
 
 class PagedBackend(Backend):
-    """Prefill per row, decode batched; KV in a :class:`PagedKVCache` indexed by the
-    block tables of ``block_pool`` (read-only here: the scheduler allocates and frees)."""
+    """Prefill chunks packed into one pass, decode batched, or both in one pass
+    (:meth:`mixed_step`); KV in a :class:`PagedKVCache` indexed by the block tables of
+    ``block_pool`` (read-only here: the scheduler allocates and frees)."""
 
     def __init__(self, model: torch.nn.Module, max_model_len: int, block_pool: BlockPool,
                  decode_attention: DecodeAttention | str | None = None):
@@ -294,8 +349,17 @@ class PagedBackend(Backend):
         """Several rows' prefill chunks packed into one sequence ``[1, Σ q_i]``: the linear
         layers run once for all of them; attention runs per row over its own KV. Row
         state advances only after the forward succeeds."""
+        part = self._prefill_inputs(chunks)
+        out = self.model(input_ids=part.ids.unsqueeze(0), position_ids=part.positions.unsqueeze(0),
+                         use_cache=False, logits_to_keep=part.keep, paged_forward=part.meta)
+        part.advance()
+        return part.chunk_logits(out.logits[0].float(), chunks)  # each row's last token
+
+    def _prefill_inputs(self, chunks, offset: int = 0) -> "_PassPart":
+        """Inputs of ``chunks`` packed one after another; ``offset``: tokens before them in
+        the sequence. Validates every chunk; changes no row state."""
         rows, segments, slots, ids, positions, tables, lens, last = [], [], [], [], [], [], [], []
-        offset = 0
+        seg_offset = 0
         for c in chunks:
             row = self._rows.get(c.row_id) or self._start_row(c.row_id)
             if row.seq_len != c.start_pos:
@@ -304,26 +368,21 @@ class PagedBackend(Backend):
             end = c.start_pos + n
             self._check_room(c.row_id, row, end)
             rows.append((row, end))
-            segments.append((offset, n, c.start_pos))
+            segments.append((seg_offset, n, c.start_pos))
             slots.append(self._slots(row.block_ids, range(c.start_pos, end)))
             ids.extend(c.token_ids)
             positions.append(torch.arange(c.start_pos, end, device=self.device))
             tables.append(row.block_ids[: cdiv(end, self.block_size)])
             lens.append(end)
-            offset += n
-            last.append(offset - 1)
+            seg_offset += n
+            last.append(offset + seg_offset - 1)
         width = max(len(t) for t in tables)
         null = self.cache.null_block
         meta = PagedForward(
             cache=self.cache, slots=torch.cat(slots), is_prefill=True, seq_lens=lens, segments=segments,
             block_tables=torch.tensor([t + [null] * (width - len(t)) for t in tables], device=self.device))
-        out = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
-                         position_ids=torch.cat(positions).unsqueeze(0), use_cache=False,
-                         logits_to_keep=torch.tensor(last, device=self.device), paged_forward=meta)
-        for row, end in rows:
-            row.seq_len = end
-        logits = out.logits[0].float()  # [len(chunks), vocab]: each row's last token
-        return [logits[i] if c.compute_logits else None for i, c in enumerate(chunks)]
+        return _PassPart(meta, torch.tensor(ids, dtype=torch.long, device=self.device), torch.cat(positions),
+                         torch.tensor(last, device=self.device), rows)
 
     def _start_row(self, row_id: str) -> _Row:
         """A row's first chunk: its table from the pool; KV already holds the cached prefix."""
@@ -342,6 +401,15 @@ class PagedBackend(Backend):
 
     @torch.inference_mode()
     def decode_step_batched(self, row_ids, token_ids, positions):
+        part = self._decode_inputs(row_ids, token_ids, positions)
+        batch = len(row_ids)
+        out = self.model(input_ids=part.ids.view(batch, 1), position_ids=part.positions.view(batch, 1),
+                         use_cache=False, logits_to_keep=1, paged_forward=part.meta)
+        part.advance()
+        return out.logits[:, -1].float()
+
+    def _decode_inputs(self, row_ids, token_ids, positions) -> "_PassPart":
+        """Inputs of one decode step (one token per decode row). Validates; changes no row state."""
         if list(row_ids) != self._decode:
             raise ValueError("decode rows differ from the promoted rows")
         rows = [self._rows[r] for r in row_ids]
@@ -364,13 +432,38 @@ class PagedBackend(Backend):
             seq_lens = torch.tensor(lens, device=self.device)
             key_mask = torch.arange(width * bs, device=self.device)[None, :] < seq_lens[:, None]
             meta.key_mask = key_mask[:, None, None, :]
-        batch = len(rows)
-        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device).view(batch, 1)
-        pos = torch.tensor(list(positions), dtype=torch.long, device=self.device).view(batch, 1)
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, paged_forward=meta)
-        for row in rows:
-            row.seq_len += 1
-        return out.logits[:, -1].float()
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
+        pos = torch.tensor(list(positions), dtype=torch.long, device=self.device)
+        return _PassPart(meta, ids, pos, torch.arange(len(rows), device=self.device),
+                         [(row, row.seq_len + 1) for row in rows])
+
+    # ------------------------------------------------------------------ mixed
+
+    packs_mixed = True
+
+    @torch.inference_mode()
+    def mixed_step(self, row_ids, token_ids, positions, chunks):
+        """Decode rows and prefill chunks in one forward pass (``PREFILL_MODE=mixed_batch``).
+
+        One sequence ``[1, B + Σ q_i]``: the ``B`` decode rows' tokens first (one-token
+        segments, attended by the decode path), then the chunks (attended per row, as in
+        :meth:`prefill_chunks`); the weights are read once for both. Returns
+        ``(decode logits [B, vocab], per-chunk logits or None)``, float32. All or
+        nothing: if it raises, no row's state has advanced.
+        """
+        decode = self._decode_inputs(row_ids, token_ids, positions)
+        batch = len(row_ids)
+        prefill = self._prefill_inputs(chunks, offset=batch)
+        meta = MixedForward(cache=self.cache, slots=torch.cat([decode.meta.slots, prefill.meta.slots]),
+                            decode=decode.meta, prefill=prefill.meta)
+        out = self.model(input_ids=torch.cat([decode.ids, prefill.ids]).unsqueeze(0),
+                         position_ids=torch.cat([decode.positions, prefill.positions]).unsqueeze(0),
+                         use_cache=False, logits_to_keep=torch.cat([decode.keep, prefill.keep]),
+                         paged_forward=meta)
+        decode.advance()
+        prefill.advance()
+        logits = out.logits[0].float()  # [B + len(chunks), vocab]
+        return logits[:batch], prefill.chunk_logits(logits[batch:], chunks)
 
     # ------------------------------------------------------------------ release
 
