@@ -66,6 +66,7 @@ class Request:
     kv_reserved: int = 0  # what admit added to _active_kv_reserved (tokens)
     first_token_time: float | None = None
     error: str | None = None
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprob of prompt tokens 1.., as scored
 
     @property
     def prompt_len(self) -> int:

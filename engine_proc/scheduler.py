@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine_proc.backends.base import Backend, PrefillChunk
+from engine_proc.prompt_logprobs import score_chunk, wants_prompt_logprobs
 from engine_proc.block_pool import BlockPool, PrefixMatch
 from engine_proc.gates import Limits, never_fits
 from engine_proc.policy import SchedulingPolicy
@@ -73,6 +74,9 @@ class _OutputBuffer:
     def finish(self, req: Request) -> None:
         self._item(req)["finish_reason"] = req.status.finish_reason
 
+    def prompt_logprobs(self, req: Request, logprobs: list[TokenLogprob]) -> None:
+        self._item(req)["prompt_logprobs"] = logprobs
+
     def _item(self, req: Request) -> dict:
         item = self.items.get(req.request_id)
         if item is None:
@@ -92,6 +96,7 @@ class _OutputBuffer:
                 num_prompt_tokens=req.prompt_len,
                 num_cached_tokens=req.num_cached_tokens,
                 error=req.error if item.get("finish_reason") is not None else None,
+                prompt_logprobs=item.get("prompt_logprobs"),
             )))
         self.items = {}
         return out
@@ -223,7 +228,7 @@ class Scheduler:
             return AdmitDecision(AdmitVerdict.SOFT_HOLD, reason=RejectReason(
                 RejectCode.KV_BUDGET, "active-KV budget is full", need,
                 self.kv_budget_tokens - self._active_kv_reserved))
-        match = pool.match_prefix(req.prompt_token_ids) if self.prefix_caching else None
+        match = pool.match_prefix(req.prompt_token_ids) if self._reuses_prefix(req) else None
         cached = match.num_tokens if match else 0
         # Hit blocks that sit in the free queue leave it when reused: they count too.
         revived = match.num_evictable_blocks if match else 0
@@ -250,9 +255,9 @@ class Scheduler:
             self._admit(req, decision.match)
 
     def _admit(self, req: Request, match: PrefixMatch | None) -> None:
-        cached_ids = req.prompt_token_ids if self.prefix_caching else []
+        cached_ids = req.prompt_token_ids if self._reuses_prefix(req) else []
         self.block_pool.allocate(req.request_id, cached_ids, req.max_total_tokens, match)
-        req.num_cached_tokens = self.block_pool.num_cached_tokens(req.request_id) if self.prefix_caching else 0
+        req.num_cached_tokens = self.block_pool.num_cached_tokens(req.request_id) if cached_ids else 0
         req.num_computed_tokens = req.num_cached_tokens
         req.kv_reserved = req.max_total_tokens
         self._active_kv_reserved += req.kv_reserved
@@ -300,7 +305,8 @@ class Scheduler:
 
     @staticmethod
     def _chunks(plan: list[tuple[Request, int, int]]) -> list[PrefillChunk]:
-        return [PrefillChunk(req.request_id, req.prompt_token_ids[start:end], start, end == req.prompt_len)
+        return [PrefillChunk(req.request_id, req.prompt_token_ids[start:end], start, end == req.prompt_len,
+                             wants_prompt_logprobs(req.params))
                 for req, start, end in plan]
 
     def _after_prefills(self, plan: list[tuple[Request, int, int]], logits: list) -> None:
@@ -316,7 +322,7 @@ class Scheduler:
         for req in self._prefilling:
             if budget <= 0:
                 break
-            if self.prefix_caching and req.num_computed_tokens == req.num_cached_tokens:
+            if self._reuses_prefix(req) and req.num_computed_tokens == req.num_cached_tokens:
                 self._late_prefix_hit(req)  # cached tokens do not spend the budget
                 if plan and self._shares_pending_blocks(req, plan):
                     break  # next tick it reuses what this pass computes instead of redoing it
@@ -347,22 +353,44 @@ class Scheduler:
         """Compute up to ``max_tokens`` prompt tokens of ``req``; True once complete."""
         start = req.num_computed_tokens
         end = min(req.prompt_len, start + max_tokens)
-        logits = self.backend.prefill_chunk(req.request_id, req.prompt_token_ids[start:end], start,
-                                            end == req.prompt_len)
+        if wants_prompt_logprobs(req.params):
+            logits = self.backend.prefill_chunk(req.request_id, req.prompt_token_ids[start:end], start,
+                                                end == req.prompt_len, all_logits=True)
+        else:
+            logits = self.backend.prefill_chunk(req.request_id, req.prompt_token_ids[start:end], start,
+                                                end == req.prompt_len)
         return self._after_prefill(req, end, logits)
 
     def _after_prefill(self, req: Request, end: int, logits) -> bool:
         """Record prompt tokens ``[.., end)`` as computed; on the last one, sample the first
-        token and promote. True once the prompt is complete."""
+        token and promote. True once the prompt is complete.
+
+        ``logits``: ``[vocab]`` of the last token, or ``[end - start, vocab]`` for a row
+        with prompt logprobs, which are scored here from the same pass. Such a row with
+        ``max_tokens`` 0 finishes (length) once its prompt is scored."""
+        if wants_prompt_logprobs(req.params):
+            start = end - logits.shape[0]
+            req.prompt_logprobs.extend(score_chunk(logits, req.prompt_token_ids, start, req.params.prompt_logprobs))
+            logits = logits[-1]
         req.num_computed_tokens = end
         if self.prefix_caching:  # rows behind this one can reuse these blocks right away
             self.block_pool.commit_full_blocks(req.request_id, req.prompt_token_ids[:end])
         if end < req.prompt_len:
             return False
+        if wants_prompt_logprobs(req.params):
+            self._out.prompt_logprobs(req, req.prompt_logprobs)
+            if req.params.max_tokens == 0:
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+                return False  # _finish took it out of _prefilling already
         sample = self.sampler(logits.unsqueeze(0), [self._sampling[req.request_id]])
         self._promote_to_decode(req)
         self._append_token(req, sample.token_ids[0], sample.logprobs[0])
         return True
+
+    def _reuses_prefix(self, req: Request) -> bool:
+        """Prefix-cache hits for ``req``: not for rows scoring their prompt (a cached
+        block has KV but not the logits its tokens were scored with)."""
+        return self.prefix_caching and not wants_prompt_logprobs(req.params)
 
     def _late_prefix_hit(self, req: Request) -> None:
         """Before a row's first prefill chunk, reuse blocks that a row sharing its prefix

@@ -74,6 +74,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens
     logprobs: int | None = None  # None → no logprobs; k → sampled token + top-k
+    # None → none; k → each prompt token's logprob + top-k, computed in the prefill pass
+    # (such rows skip the prefix cache: a cached block has no logits). Allows max_tokens 0.
+    prompt_logprobs: int | None = None
 
     def validate(self) -> str | None:
         """Return a human-readable problem with these parameters, or ``None`` if valid
@@ -81,8 +84,8 @@ class SamplingParams:
         problem = self._type_problem()
         if problem:
             return problem
-        if self.max_tokens < 1:
-            return "max_tokens must be at least 1"
+        if self.max_tokens < 1 and not (self.max_tokens == 0 and self.prompt_logprobs is not None):
+            return "max_tokens must be at least 1 (0 only with prompt_logprobs)"
         if not 0.0 <= self.temperature <= 2.0:
             return "temperature must be in [0, 2]"
         if not 0.0 < self.top_p <= 1.0:
@@ -103,6 +106,8 @@ class SamplingParams:
             return "min_tokens must be in [0, max_tokens]"
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             return "logprobs must be in [0, 20]"
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            return "prompt_logprobs must be in [0, 20]"
         return None
 
     def _type_problem(self) -> str | None:
@@ -119,7 +124,7 @@ class SamplingParams:
                      "repetition_penalty"):
             if not is_num(getattr(self, name)):
                 return f"{name} must be a number"
-        for name in ("top_k", "seed", "logprobs"):
+        for name in ("top_k", "seed", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and not is_int(getattr(self, name)):
                 return f"{name} must be an integer or null"
         if type(self.ignore_eos) is not bool:
@@ -259,6 +264,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: prompt tokens 1 .. prompt_len-1 (the first has
+    # no context), sent once, with the request's first output.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

@@ -24,17 +24,17 @@ class RecordingBackend:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def prefill_chunk(self, row_id, token_ids, start_pos, compute_logits):
-        out = self.inner.prefill_chunk(row_id, token_ids, start_pos, compute_logits)
-        if out is not None:
-            self.logits.setdefault(row_id, []).append(out.clone())
+    def prefill_chunk(self, row_id, token_ids, start_pos, compute_logits, **kw):
+        out = self.inner.prefill_chunk(row_id, token_ids, start_pos, compute_logits, **kw)
+        if out is not None and compute_logits:  # the last token's logits, which are sampled
+            self.logits.setdefault(row_id, []).append((out[-1] if out.dim() == 2 else out).clone())
         return out
 
     def prefill_chunks(self, chunks):
         outs = self.inner.prefill_chunks(chunks)
         for chunk, out in zip(chunks, outs):
-            if out is not None:
-                self.logits.setdefault(chunk.row_id, []).append(out.clone())
+            if out is not None and chunk.compute_logits:
+                self.logits.setdefault(chunk.row_id, []).append((out[-1] if out.dim() == 2 else out).clone())
         return outs
 
     def decode_step_batched(self, row_ids, token_ids, positions):

@@ -32,6 +32,7 @@ class PrefillChunk:
     token_ids: Sequence[int]
     start_pos: int
     compute_logits: bool  # the chunk ends the prompt: its last token's logits are needed
+    all_logits: bool = False  # every position's logits are needed (prompt logprobs)
 
 
 class Backend(ABC):
@@ -43,13 +44,14 @@ class Backend(ABC):
 
     @abstractmethod
     def prefill_chunk(self, row_id: str, token_ids: Sequence[int], start_pos: int,
-                      compute_logits: bool) -> torch.Tensor | None:
+                      compute_logits: bool, all_logits: bool = False) -> torch.Tensor | None:
         """Run prompt tokens ``token_ids`` at positions ``[start_pos, start_pos + n)``
         through the model, storing their KV for ``row_id``.
 
         The row's KV must already cover exactly ``start_pos`` tokens (earlier chunks
         or prefix-cache hits). Returns the logits of the last token, shape ``[vocab]``
-        float32, when ``compute_logits``; else ``None``.
+        float32, when ``compute_logits``; else ``None``. With ``all_logits``, the logits
+        of every position instead, shape ``[n, vocab]`` float32 (for prompt logprobs).
         """
 
     packs_prefill: bool = False

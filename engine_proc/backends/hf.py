@@ -43,13 +43,16 @@ class HFBackend(Backend):
     # ------------------------------------------------------------------ prefill
 
     @torch.inference_mode()
-    def prefill_chunk(self, row_id, token_ids, start_pos, compute_logits):
+    def prefill_chunk(self, row_id, token_ids, start_pos, compute_logits, all_logits=False):
         cache = self._prefill_caches.setdefault(row_id, DynamicCache(config=self.config))
         if cache.get_seq_length() != start_pos:
             raise ValueError(f"row {row_id}: KV holds {cache.get_seq_length()} tokens, chunk starts at {start_pos}")
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         pos = torch.arange(start_pos, start_pos + ids.shape[1], device=self.device).unsqueeze(0)
-        out = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True,
+                         logits_to_keep=0 if all_logits else 1)
+        if all_logits:
+            return out.logits[0].float()
         return out.logits[0, -1].float() if compute_logits else None
 
     def promote(self, row_id):

@@ -289,14 +289,17 @@ class _PassPart:
     positions: torch.Tensor
     keep: torch.Tensor
     rows: list[tuple["_Row", int]]
+    spans: list[tuple[int, int]] | None = None  # prefill: per chunk, (first index into keep, count)
 
     def advance(self) -> None:
         for row, end in self.rows:
             row.seq_len = end
 
-    @staticmethod
-    def chunk_logits(logits: torch.Tensor, chunks) -> list[torch.Tensor | None]:
-        return [logits[i] if c.compute_logits else None for i, c in enumerate(chunks)]
+    def chunk_logits(self, logits: torch.Tensor, chunks) -> list[torch.Tensor | None]:
+        """Per chunk: its last token's logits ``[vocab]``, every position's ``[n, vocab]``
+        (``all_logits``), or ``None``; ``logits`` are this part's rows of the output."""
+        return [logits[i: i + k] if c.all_logits else logits[i] if c.compute_logits else None
+                for (i, k), c in zip(self.spans, chunks)]
 
 
 @dataclass
@@ -339,8 +342,8 @@ class PagedBackend(Backend):
 
     # ------------------------------------------------------------------ prefill
 
-    def prefill_chunk(self, row_id, token_ids, start_pos, compute_logits):
-        return self.prefill_chunks([PrefillChunk(row_id, token_ids, start_pos, compute_logits)])[0]
+    def prefill_chunk(self, row_id, token_ids, start_pos, compute_logits, all_logits=False):
+        return self.prefill_chunks([PrefillChunk(row_id, token_ids, start_pos, compute_logits, all_logits)])[0]
 
     packs_prefill = True
 
@@ -360,6 +363,7 @@ class PagedBackend(Backend):
         the sequence. Validates every chunk; changes no row state."""
         rows, segments, slots, ids, positions, tables, lens, last = [], [], [], [], [], [], [], []
         seg_offset = 0
+        spans: list[tuple[int, int]] = []  # per chunk: (first index into `last`, how many)
         for c in chunks:
             row = self._rows.get(c.row_id) or self._start_row(c.row_id)
             if row.seq_len != c.start_pos:
@@ -374,15 +378,17 @@ class PagedBackend(Backend):
             positions.append(torch.arange(c.start_pos, end, device=self.device))
             tables.append(row.block_ids[: cdiv(end, self.block_size)])
             lens.append(end)
+            spans.append((len(last), n if c.all_logits else 1))
+            first = offset + seg_offset
+            last.extend(range(first, first + n) if c.all_logits else [first + n - 1])
             seg_offset += n
-            last.append(offset + seg_offset - 1)
         width = max(len(t) for t in tables)
         null = self.cache.null_block
         meta = PagedForward(
             cache=self.cache, slots=torch.cat(slots), is_prefill=True, seq_lens=lens, segments=segments,
             block_tables=torch.tensor([t + [null] * (width - len(t)) for t in tables], device=self.device))
         return _PassPart(meta, torch.tensor(ids, dtype=torch.long, device=self.device), torch.cat(positions),
-                         torch.tensor(last, device=self.device), rows)
+                         torch.tensor(last, device=self.device), rows, spans)
 
     def _start_row(self, row_id: str) -> _Row:
         """A row's first chunk: its table from the pool; KV already holds the cached prefix."""
