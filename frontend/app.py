@@ -38,6 +38,7 @@ from frontend.cors import cors_middleware
 from frontend.detokenizer import TextStream, token_bytes_of
 from frontend.engine_client import EngineClient, EngineUnavailable, Rejected, RequestStream
 from frontend.metrics import FrontendMetrics, RequestTimer
+from frontend.prompt_logprobs import engine_prompt_logprobs, legacy_prompt_part, vllm_prompt_logprobs
 from frontend.schemas import (DEFAULT_MAX_TOKENS_COMPLETIONS, ChatCompletionRequest, ChatMessage,
                               CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body)
 from shared import protocol as p
@@ -118,6 +119,7 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM: the stop string or stop token id that matched
     text_offset: int = 0  # characters of logprob tokens sent so far (completions' text_offset)
+    prompt_logprobs: list[p.TokenLogprob] | None = None  # scored prompt tokens 1.., when asked
     timer: RequestTimer | None = None
 
 
@@ -205,14 +207,16 @@ class Frontend:
                                  "generate)", param=param, code="context_length_exceeded")
         return asked
 
-    def _params(self, body, prompt: PromptInfo, default_max: int | None, logprobs: int | None
-                ) -> p.SamplingParams:
+    def _params(self, body, prompt: PromptInfo, default_max: int | None, logprobs: int | None,
+                prompt_logprobs: int | None = None) -> p.SamplingParams:
         """The engine parameters for one prompt, checked against the vocabulary and
         the context window (HTTP 400 otherwise)."""
         max_tokens = self._max_tokens(body, len(prompt.token_ids), default_max)
         self._check_ids(body.logit_bias_ids, "logit_bias")
         self._check_ids(body.stop_token_ids or [], "stop_token_ids")
         params = body.sampling_params(max_tokens, logprobs, self.vocab_size)
+        if prompt_logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=prompt_logprobs)
         problem = params.validate()
         if problem:
             name = problem.split(" ", 1)[0]
@@ -332,6 +336,8 @@ class Frontend:
                     continue  # stopped by a stop string already; late tokens are dropped
                 if out.num_cached_tokens:
                     prompts[choice.prompt_index].cached_tokens = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    choice.prompt_logprobs = out.prompt_logprobs
                 if out.error or out.finish_reason is p.FinishReason.ERROR:
                     choice.finish_reason = "error"
                     choice.timer.finished("error")
@@ -412,7 +418,9 @@ class Frontend:
         body: CompletionRequest = await self._parse(request, CompletionRequest)
         self._check_model(body)
         prompts = self._prompts(body)
-        plans = [(pr, self._params(body, pr, DEFAULT_MAX_TOKENS_COMPLETIONS, body.logprobs)) for pr in prompts]
+        scoring = engine_prompt_logprobs(bool(body.echo), body.logprobs, body.prompt_logprobs, body.max_tokens)
+        plans = [(pr, self._params(body, pr, DEFAULT_MAX_TOKENS_COMPLETIONS, body.logprobs, scoring))
+                 for pr in prompts]
         choices = await self._start_choices(request, body, plans, body.n or 1)
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
@@ -420,11 +428,22 @@ class Frontend:
         as_ids = bool(body.return_tokens_as_token_ids)
         usage_chunks = bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
-        def choice_body(choice: ChoiceState, text: str, lps: list) -> dict:
-            return {"index": choice.index, "text": text,
-                    "logprobs": self._completion_logprobs(choice, lps, as_ids) if body.logprobs is not None
-                    else None,
-                    "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+        def choice_body(choice: ChoiceState, text: str, lps: list, first: bool) -> dict:
+            out = {"index": choice.index, "text": text, "logprobs": None,
+                   "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+            if body.logprobs is not None:
+                prompt_part = None
+                if echo and first:  # the echoed prompt's tokens come first, the first one null
+                    prompt_part = legacy_prompt_part(prompts[choice.prompt_index].token_ids, choice.prompt_logprobs,
+                                                     body.logprobs, lambda t: self._token_str(t, as_ids))
+                    choice.text_offset = sum(len(t) for t in prompt_part["tokens"])
+                out["logprobs"] = self._completion_logprobs(choice, lps, as_ids)
+                if prompt_part:
+                    out["logprobs"] = {key: prompt_part[key] + out["logprobs"][key] for key in prompt_part}
+            if body.prompt_logprobs is not None and first:
+                out["prompt_logprobs"] = vllm_prompt_logprobs(choice.prompt_logprobs, body.prompt_logprobs,
+                                                              lambda t: self._token_str(t, as_ids))
+            return out
 
         if body.stream:
             async def sse():
@@ -432,8 +451,9 @@ class Frontend:
                 async for choice, delta, lps in self._events(choices, prompts):
                     if echo and choice.index not in started:
                         delta = prompts[choice.prompt_index].text + delta
+                    first = choice.index not in started
                     started.add(choice.index)
-                    chunk = {**base, "choices": [choice_body(choice, delta, lps)]}
+                    chunk = {**base, "choices": [choice_body(choice, delta, lps, first)]}
                     yield _sse({**chunk, "usage": None} if usage_chunks else chunk)
                 if usage_chunks:
                     yield _sse({**base, "choices": [], "usage": self._usage(prompts, choices)})
@@ -449,7 +469,7 @@ class Frontend:
             text = "".join(texts[c.index])
             if echo:
                 text = prompts[c.prompt_index].text + text
-            out.append(choice_body(c, text, all_lps[c.index]))
+            out.append(choice_body(c, text, all_lps[c.index], True))
         return JSONResponse({**base, "choices": out, "usage": self._usage(prompts, choices)})
 
     async def chat_completions(self, request: Request) -> Response:

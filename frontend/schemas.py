@@ -129,8 +129,10 @@ Prompt = Union[str, list[str], list[TokenId], list[list[TokenId]]]
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: score the prompt only (echo)
     echo: bool | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # vLLM's sampling parameter
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
 
@@ -150,8 +152,8 @@ class CompletionRequest(_SamplingFields):
             return "best_of", "best_of > 1 is not supported; use n for several samples"
         if self.suffix:
             return "suffix", "suffix (insertion) is not supported"
-        if self.echo and self.logprobs is not None:
-            return "logprobs", "echo with logprobs is not supported: prompt logprobs are not computed"
+        if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
+            return "max_tokens", "max_tokens 0 is only valid with echo or prompt_logprobs (to score the prompt)"
         return super().problem()
 
 
