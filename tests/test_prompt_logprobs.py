@@ -43,7 +43,7 @@ def prompt_lps(outputs) -> list:
 
 
 @pytest.mark.parametrize("backend,mode,chunk", [
-    ("paged", "monolithic", 0), ("paged", "chunked", 4), ("paged", "chunked", 7),
+    ("paged", "monolithic", 0), ("paged", "chunked", 4), ("paged", "chunked", 7), ("paged", "mixed_batch", 6),
     ("hf", "monolithic", 0), ("hf", "chunked", 5)])
 def test_prompt_logprobs_equal_teacher_forced(tiny_llama, backend, mode, chunk):
     sched = make_scheduler(tiny_llama, backend=backend, prefill_mode=mode, prefill_chunk_size=chunk)
