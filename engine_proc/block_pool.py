@@ -218,9 +218,8 @@ class BlockPool:
             "num_cached_free_blocks": self._num_cached_free,
             "num_cached_blocks": len(self._cached),
             "num_rows": len(self._rows),
-            "kv_pressure": self.usage,
-            "prefix_queries": self._prefix_queries,
-            "prefix_hits": self._prefix_hits,
+            "prefix_query_tokens": self._prefix_queries,  # prompt tokens looked up
+            "prefix_hit_tokens": self._prefix_hits,  # of those, served from cached blocks
             "prefix_hit_rate": self._prefix_hits / self._prefix_queries if self._prefix_queries else 0.0,
             "num_evictions": self._num_evictions,
         }

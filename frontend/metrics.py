@@ -19,6 +19,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from shared.protocol import RejectCode
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -54,6 +56,8 @@ class FrontendMetrics:
                                 ["finish_reason"], registry=r)
         self.rejected = Counter("tickserve_requests_rejected", "Requests refused by the engine.",
                                 ["code"], registry=r)
+        for code in RejectCode:  # every series from the start: rate() needs the zero
+            self.rejected.labels(code.value)
         self.engine = {name: Gauge(f"tickserve_engine_{name}", help_, registry=r)
                        for name, help_ in ENGINE_GAUGES.items()}
         self.engine_up = Gauge("tickserve_engine_up", "1 while an engine is connected.", registry=r)

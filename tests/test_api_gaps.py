@@ -109,3 +109,16 @@ def test_frontend_refuses_an_engine_serving_another_model(stack, tiny_model_dir,
     assert proc.popen.returncode == 2
     assert "the engine serves another model" in proc.output()
     assert httpx.get(f"{stack.base}/health").status_code == 200  # the engine and others are unharmed
+
+
+def test_stats_names_say_what_they_count(stack):
+    s = httpx.get(f"{stack.base}/scheduler/stats").json()
+    assert "kv_pressure" in s and "kv_pressure" not in s["blocks"]  # once
+    assert {"prefix_query_tokens", "prefix_hit_tokens"} <= set(s["blocks"])
+    assert "prefix_queries" not in s["blocks"]
+
+
+def test_rejection_counter_exists_before_the_first_rejection(stack):
+    text = httpx.get(f"{stack.cors}/metrics").text  # this frontend never had a rejection
+    for code in ("queue_full", "kv_budget", "block_pool", "context_length"):
+        assert f'tickserve_requests_rejected_total{{code="{code}"}} 0.0' in text

@@ -75,7 +75,8 @@ def test_prefix_hit_shares_blocks_with_refcount_two():
     assert [pool.ref_count(b) for b in range(4)] == [2, 2, 1, 1]
     assert pool.num_used_blocks == 4
     stats = pool.stats()
-    assert (stats["prefix_queries"], stats["prefix_hits"]) == (20, 8)
+    assert (stats["prefix_query_tokens"], stats["prefix_hit_tokens"]) == (20, 8)
+    assert "kv_pressure" not in stats  # once, at the top of /scheduler/stats
     pool.check_invariants()
 
 
