@@ -86,6 +86,8 @@ def test_version_and_stats_show_the_runtime_and_transport(stack):
     assert runtime["device"] == "cpu" and runtime["torch_threads"] == 1
     assert len(runtime["model_fingerprint"]) == 16
     assert httpx.get(f"{stack.base}/scheduler/stats").json()["runtime"] == runtime
+    startup = stack.group.procs[0].output()  # the engine's start-up line says the same
+    assert "dtype float32" in startup and "transport zmq ipc" in startup and "1 thread" in startup
 
 
 def test_a_copy_of_the_same_model_elsewhere_is_accepted(stack, tiny_model_dir, tmp_path):
