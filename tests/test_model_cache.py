@@ -140,3 +140,17 @@ def test_cache_command_lists_and_prunes(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert pruned.returncode == 0 and f"removed {legacy}" in pruned.stdout
     assert not legacy.exists()
+
+
+def test_resolve_model_converts_a_model_once_across_venvs(tmp_path, monkeypatch):
+    from engine_proc import model_loader
+
+    monkeypatch.setenv("TICKSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    convert = CountingConverter()
+    monkeypatch.setattr(model_loader, "_dequantize", convert)
+    payload = os.urandom(50_000)
+    a = _fake_gguf(tmp_path / "venv-a", payload)
+    b = _fake_gguf(tmp_path / "venv-b", payload)
+    assert model_loader.resolve_model(str(a)) == model_loader.resolve_model(str(b))
+    assert convert.calls == [a]
+    assert model_loader.resolve_model(str(a)).parent == tmp_path / "cache" / "models"
