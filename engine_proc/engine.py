@@ -36,6 +36,7 @@ from engine_proc.gates import never_fits
 from engine_proc.policy import make_policy
 from engine_proc.request import Request
 from engine_proc.scheduler import Scheduler
+from engine_proc.stats_window import StatsWindow
 from shared import codec, config as cfg
 from shared import protocol as p
 from shared.protocol import BROADCAST_TOPIC
@@ -166,6 +167,7 @@ class EngineServer:
         self._live_ids: set[str] = set()  # I/O thread's view of unfinished request ids
         self._frontends: dict[str, float] = {}  # frontend id → last heard (monotonic)
         self.bad_frames = 0
+        self.stats_window = StatsWindow(config.stats_interval_s)  # fed and published by the tick thread
         self.fatal: BaseException | None = None
         scheduler._on_left_pending = self._count_left_pending
         self._tick_thread = threading.Thread(target=self._tick_loop, name="engine-tick", daemon=True)
@@ -326,6 +328,7 @@ class EngineServer:
         topic = topic_for(msg.frontend_id)
         reason = self._validate(msg)
         if reason is not None:
+            self.stats_window.on_reject(reason.code)
             self.outbound.publish(topic, p.Ack(msg.request_id, False, reason))
             return
         self._accepted += 1
@@ -361,6 +364,8 @@ class EngineServer:
                     else:
                         outputs = self.scheduler.drain_outputs()
                 self._send_outputs(out, outputs)
+                if self.stats_window.due():
+                    self._publish_stats(out)
                 if not self.scheduler.has_work():
                     self._wake.wait(0.1)
                     self._wake.clear()
@@ -380,20 +385,35 @@ class EngineServer:
                 return
             if isinstance(item, _Submit):
                 self.scheduler.add_request(item.request)
+                self.stats_window.on_arrival(item.request.request_id, item.request.session_id,
+                                             item.request.arrival_time)
             elif isinstance(item, _Abort):
                 for rid in item.request_ids:
                     self.scheduler.abort_request(rid)
             elif isinstance(item, _FrontendGone):
                 self.scheduler.abort_frontend(item.frontend_id)
             elif isinstance(item, p.StatsRequest):
-                data = dict(self.scheduler.stats(), num_waiting=self.num_waiting, bad_frames=self.bad_frames,
-                            num_frontends=len(self._frontends), engine_id=self.engine_id,
-                            runtime=dataclasses.asdict(self.runtime))
-                out.send_multipart([topic_for(item.frontend_id), codec.encode(p.Stats(item.nonce, data))])
+                out.send_multipart([topic_for(item.frontend_id),
+                                    codec.encode(p.Stats(item.nonce, self._stats_data()))])
+
+    def _stats_data(self, scheduler_stats: dict | None = None) -> dict:
+        """``/scheduler/stats``: the scheduler's counters, the engine's, and the last
+        published window (rates and latency percentiles, see :mod:`stats_window`)."""
+        return dict(scheduler_stats or self.scheduler.stats(), num_waiting=self.num_waiting,
+                    bad_frames=self.bad_frames, num_frontends=len(self._frontends), engine_id=self.engine_id,
+                    runtime=dataclasses.asdict(self.runtime), window=self.stats_window.latest)
+
+    def _publish_stats(self, out: zmq.Socket) -> None:
+        """Between ticks, at most every ``stats_interval_s``: one ``Stats`` (nonce 0) on the
+        broadcast topic, shared by every frontend and every dashboard behind it."""
+        sched = self.scheduler.stats()
+        self.stats_window.publish(sched)
+        out.send_multipart([BROADCAST_TOPIC, codec.encode(p.Stats(0, self._stats_data(sched)))])
 
     def _send_outputs(self, sock: zmq.Socket, outputs: list[tuple[str, p.RequestOutput]]) -> None:
         if not outputs:
             return
+        self.stats_window.on_outputs(output for _, output in outputs)
         by_frontend: dict[str, list[p.RequestOutput]] = {}
         for fid, output in outputs:
             by_frontend.setdefault(fid, []).append(output)

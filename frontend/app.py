@@ -34,6 +34,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from frontend import dashboard
 from frontend.cors import cors_middleware
 from frontend.detokenizer import TextStream, token_bytes_of
 from frontend.engine_client import EngineClient, EngineUnavailable, Rejected, RequestStream
@@ -726,6 +727,7 @@ def create_app(config: FrontendConfig, tokenizer, model_name: str,
         Route("/version", frontend.version, methods=["GET"]),
         Route("/scheduler/stats", _wrap(frontend.scheduler_stats, frontend), methods=["GET"]),
         Route("/metrics", _wrap(frontend.prometheus, frontend), methods=["GET"]),
+        *dashboard.routes(frontend, dashboard.make_hub(frontend)),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_exception},
                     middleware=cors_middleware(config.allowed_origins))

@@ -75,6 +75,7 @@ class EngineClient:
         self._acks: dict[str, asyncio.Future] = {}
         self._streams: dict[str, RequestStream] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
+        self.on_stats_broadcast = None  # event loop: called with each broadcast Stats' data
         self._nonces = itertools.count(1)
         self._ids = itertools.count()
         self.welcome: p.Welcome | None = None
@@ -264,6 +265,9 @@ class EngineClient:
                 if out.finish_reason is not None:
                     del self._streams[out.request_id]
                 stream.queue.put_nowait(out)
+        elif isinstance(msg, p.Stats) and msg.nonce == 0:  # the engine's periodic broadcast
+            if self.on_stats_broadcast is not None:
+                self.on_stats_broadcast(msg.data)
         elif isinstance(msg, p.Stats):
             fut = self._stats_waiters.get(msg.nonce)
             if fut is not None and not fut.done():

@@ -68,6 +68,7 @@ class EngineConfig:
     max_model_len: int = _opt(2048, "context window in tokens (prompt + output); capped by the model's own")
     torch_threads: int = _opt(0, "torch intra-op threads; 0 → all cores but one")
     heartbeat_interval_s: float = _opt(0.25, "engine → frontend heartbeat period, seconds")
+    stats_interval_s: float = _opt(0.25, "period of the engine's stats broadcast (/scheduler/stats/stream, /dashboard), seconds; 0 → off")
     frontend_timeout_s: float = _opt(5.0, "a frontend silent this long has its requests aborted, seconds")
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, finish in-flight requests for at most this long, seconds")
     seed: int = _opt(0, "global torch seed (unseeded sampling)")
@@ -132,6 +133,8 @@ class EngineConfig:
         for name in ("max_queue_size", "max_batch_size", "kv_block_size", "max_model_len"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be at least 1")
+        if self.stats_interval_s < 0:
+            out.append("stats_interval_s must be >= 0")
         return out
 
 

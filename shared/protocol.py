@@ -278,6 +278,10 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class Stats:
+    """The engine's stats: the answer to ``StatsRequest(nonce)`` on the asker's topic, or,
+    with ``nonce`` 0, the periodic publication on the broadcast topic (every
+    ``stats_interval_s``) that feeds ``/scheduler/stats/stream``."""
+
     nonce: int
     data: dict
 

@@ -1,0 +1,133 @@
+"""The stats event stream on its own: framing, rate limit, engine down/up (no processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from frontend.stats_stream import KEEPALIVE_S, StatsHub, sse_frame
+
+
+def parse(frame: str) -> dict:
+    """Fields of one SSE event; every line is ``name: value``, the event ends with a blank line."""
+    assert frame.endswith("\n\n") and "\n\n" not in frame[:-2]
+    fields = dict(line.split(": ", 1) for line in frame[:-2].split("\n"))
+    return fields
+
+
+def test_frame_is_one_event_with_single_line_json():
+    frame = sse_frame(7, "stats", {"a": "x\ny", "b": [1, 2]})
+    fields = parse(frame)
+    assert fields["id"] == "7" and fields["event"] == "stats"
+    assert json.loads(fields["data"]) == {"a": "x\ny", "b": [1, 2]}
+
+
+class Engine:
+    def __init__(self):
+        self.up, self.engine_id = True, "e1"
+
+    def status(self):
+        return self.up, self.engine_id
+
+
+async def collect(hub: StatsHub, seconds: float, max_hz: float) -> list[str]:
+    frames: list[str] = []
+
+    async def read():
+        async for f in hub.events(max_hz):
+            frames.append(f)
+
+    task = asyncio.create_task(read())
+    await asyncio.sleep(seconds)
+    task.cancel()
+    return frames
+
+
+def test_stream_starts_with_retry_and_sends_each_publication():
+    async def main():
+        eng = Engine()
+        hub = StatsHub(eng.status)
+        hub.update({"engine_id": "e1", "num_active": 1})
+
+        async def publish():
+            for i in range(3):
+                await asyncio.sleep(0.1)
+                hub.update({"engine_id": "e1", "num_active": 2 + i})
+
+        pub = asyncio.create_task(publish())
+        frames = await collect(hub, 0.6, max_hz=50)
+        await pub
+        return frames
+
+    frames = asyncio.run(main())
+    assert frames[0] == "retry: 1000\n\n"
+    actives = [json.loads(parse(f)["data"])["stats"]["num_active"] for f in frames[1:]]
+    assert actives == [1, 2, 3, 4]
+
+
+def test_rate_limit_bounds_events_per_viewer_whatever_the_publication_rate():
+    async def main():
+        eng = Engine()
+        hub = StatsHub(eng.status)
+        stop = False
+
+        async def flood():
+            i = 0
+            while not stop:
+                i += 1
+                hub.update({"engine_id": "e1", "n": i})
+                await asyncio.sleep(0.002)
+
+        pub = asyncio.create_task(flood())
+        frames = await collect(hub, 1.0, max_hz=4)
+        stop = True
+        await pub
+        return frames, hub.version
+
+    frames, published = asyncio.run(main())
+    assert published > 30  # publications came far faster than 4 a second
+    assert 3 <= len(frames) - 1 <= 6, len(frames)  # ≈ 4 a second, not hundreds
+
+
+def test_viewers_share_one_encoded_frame():
+    eng = Engine()
+    hub = StatsHub(eng.status)
+    hub.update({"engine_id": "e1"})
+    assert hub.frame() is hub.frame()
+
+
+def test_engine_down_then_restarted_is_reported_and_counted():
+    async def main():
+        eng = Engine()
+        hub = StatsHub(eng.status)
+        hub.update({"engine_id": "e1", "num_active": 1})
+        events: list[dict] = []
+
+        async def read():
+            async for f in hub.events(max_hz=20):
+                if f.startswith("id:"):
+                    events.append(json.loads(parse(f)["data"]))
+
+        task = asyncio.create_task(read())
+        await asyncio.sleep(0.2)
+        eng.up, eng.engine_id = False, None  # the client lost the engine's heartbeats
+        await asyncio.sleep(KEEPALIVE_S + 0.3)  # no publication: the keep-alive reports it
+        eng.up, eng.engine_id = True, "e2"
+        hub.update({"engine_id": "e2", "num_active": 0})
+        await asyncio.sleep(0.3)
+        task.cancel()
+        return events
+
+    events = asyncio.run(main())
+    assert events[0]["engine"] == {"up": True, "engine_id": "e1", "restarts": 0}
+    down = [e for e in events if not e["engine"]["up"]]
+    assert down and all(e["stats"] is None for e in down)
+    assert events[-1]["engine"] == {"up": True, "engine_id": "e2", "restarts": 1}
+    assert events[-1]["stats"]["engine_id"] == "e2"
+
+
+def test_malformed_publications_are_dropped():
+    hub = StatsHub(Engine().status)
+    for bad in (None, [], {"engine_id": 3}, {"engine_id": ""}, {"num_active": 1}):
+        hub.update(bad)
+    assert hub.num_dropped == 5 and hub.version == 0 and hub.latest is None
