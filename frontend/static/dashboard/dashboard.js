@@ -43,13 +43,20 @@ let fair = null;                  // rebuilt when the set of drawn sessions chan
 let fairSessions = [];
 
 function fairChart(t, sessions) {
-  const names = sessions.slice(0, FAIR_SERIES).map((s) => s.session || "(none)");
+  // Series are keyed by session name, in the order sessions first appeared, so a
+  // session's line keeps its colour and history; the chart is rebuilt only when a new
+  // session enters the busiest set.
+  const top = sessions.slice(0, FAIR_SERIES).map((s) => s.session || "(none)");
+  let names = fairSessions.filter((n) => top.includes(n) || fairSessions.length + top.length <= FAIR_SERIES);
+  for (const n of top) if (!names.includes(n)) names.push(n);
+  names = names.slice(0, FAIR_SERIES);
   if (!fair || names.join("\u0000") !== fairSessions.join("\u0000")) {
     if (fair) fair.plot.destroy();
     fair = chart("c-fair", names.length ? names : ["(no sessions)"], "tokens/s");
     fairSessions = names;
   }
-  push(fair, t, names.length ? sessions.slice(0, FAIR_SERIES).map((s) => s.tokens_per_s) : [null]);
+  const rate = new Map(sessions.map((s) => [s.session || "(none)", s.tokens_per_s]));
+  push(fair, t, names.length ? names.map((n) => rate.get(n) || 0) : [null]);
 }
 
 const engines = new Map();        // engine id → last row data (one row per engine seen)
