@@ -222,3 +222,51 @@ def test_mode_selection_and_refusals(tiny_llama):
         make_scheduler(tiny_llama, backend="hf", prefill_mode="mixed_batch")
     with pytest.raises(NotImplementedError):
         make_scheduler(tiny_llama, prefill_mode="disaggregated")
+
+
+def test_engine_process_serves_mixed_batch_over_http(tmp_path_factory, tiny_model_dir):
+    """``--prefill-mode mixed_batch`` through the real engine and frontend processes: the
+    runtime record and stats say so, and concurrent greedy completions (one prompt long
+    enough to prefill over several ticks beside the others' decoding) return the token
+    ids an in-process chunked scheduler computes for the same prompts."""
+    import shutil
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    import httpx
+    from transformers import AutoModelForCausalLM
+
+    from tests.procs import ProcessGroup, free_port, http_json, stats, wait_healthy
+
+    prompts = [_tokens(100, 5), _tokens(101, 150), _tokens(102, 12), _tokens(103, 9)]
+    run = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))  # short: ipc paths are limited to ~100 bytes
+    group = ProcessGroup(tmp_path_factory.mktemp("mixed"))
+    group.engine(tiny_model_dir, run, max_batch_size=8, prefill_mode="mixed_batch", max_num_batched_tokens=24)
+    port = free_port()
+    group.frontend(tiny_model_dir, run, port)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_healthy(base, 120)
+        except TimeoutError:
+            raise AssertionError("stack did not start:\n" + "\n".join(p.output()[-3000:] for p in group.procs))
+        assert httpx.get(f"{base}/version", timeout=10).json()["runtime"]["prefill_mode"] == "mixed_batch"
+        assert stats(base)["max_num_batched_tokens"] == 24
+
+        def complete(prompt):
+            status, body, _ = http_json(f"{base}/v1/completions", {
+                "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "logprobs": 1,
+                "return_tokens_as_token_ids": True}, timeout=60)
+            assert status == 200, body
+            return [int(t.split(":", 1)[1]) for t in body["choices"][0]["logprobs"]["tokens"]]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            served = list(pool.map(complete, prompts))
+    finally:
+        group.close()
+        shutil.rmtree(run, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype="float32").eval()
+    reqs = [make_request(p, max_tokens=10, ignore_eos=True) for p in prompts]
+    outs = run_until_idle(make_scheduler(model, prefill_mode="chunked", prefill_chunk_size=16), {0: reqs})
+    assert served == [tokens_of(outs[r.request_id]) for r in reqs]
