@@ -25,7 +25,7 @@ OPS = st.lists(
 
 
 @pytest.mark.parametrize("mode,chunk,policy", [("chunked", 4, "fcfs"), ("monolithic", 0, "fair"),
-                                               ("chunked", 6, "fair")])
+                                               ("chunked", 6, "fair"), ("mixed_batch", 4, "fair")])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
 def test_random_mixes_keep_invariants_and_return_to_baseline(tiny_llama, mode, chunk, policy, ops):
