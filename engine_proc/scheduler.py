@@ -131,7 +131,8 @@ class Scheduler:
         self.backend = backend
         self.policy = policy
         self.block_pool = block_pool
-        self.sampler = sampler or Sampler()
+        kernels = getattr(backend, "kernels", None)
+        self.sampler = sampler or Sampler(argmax=kernels.argmax if kernels is not None else None)
         self.eos_token_ids = list(eos_token_ids)
         self.prefix_caching = prefix_caching
         self.max_batch_size = config.max_batch_size

@@ -12,6 +12,8 @@ import random
 
 import pytest
 
+from engine_proc.backends.paged import PagedBackend
+
 from engine_proc.request import RequestStatus
 from shared.config import EngineConfig, PrefillMode
 from shared.protocol import FinishReason
@@ -32,24 +34,23 @@ def _sched(model, mode: str, chunk: int = 0, **overrides):
 
 
 class PassLog:
-    """Counts the model's forward passes and the tokens of each, per tick."""
+    """Counts the paged backend's forward passes (whichever runner runs them) and the
+    tokens of each, per tick."""
 
-    def __init__(self, model):
+    def __init__(self, monkeypatch):
         self.tokens: list[int] = []  # tokens of each forward pass
-        self._hook = model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        forward = PagedBackend._forward
 
-    def _on_forward(self, module, args, kwargs):
-        self.tokens.append(kwargs["input_ids"].numel())
+        def counted(backend, ids, *args):
+            self.tokens.append(ids.numel())
+            return forward(backend, ids, *args)
 
-    def close(self):
-        self._hook.remove()
+        monkeypatch.setattr(PagedBackend, "_forward", counted)
 
 
 @pytest.fixture
-def passes(tiny_llama):
-    log = PassLog(tiny_llama)
-    yield log
-    log.close()
+def passes(monkeypatch):
+    return PassLog(monkeypatch)
 
 
 def _workload():

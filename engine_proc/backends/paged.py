@@ -1,10 +1,7 @@
 """Paged backend: every row's KV lives in fixed-size blocks named by the block pool.
 
-KV layout, one K and one V tensor per decoder layer (model dtype)::
-
-    cache[layer]   [num_blocks + 1, block_size, kv_heads, head_dim]
-                    block ids 0 .. num_blocks-1 come from BlockPool block tables;
-                    block num_blocks is the null block: zeros, pads gathers, never written
+KV layout: :mod:`engine_proc.kv_cache` (one K and one V tensor per decoder layer,
+keys transposed within a block; block ``num_blocks`` is the null block)::
 
     row "a", block_size 4, table [7, 3, 12], seq_len 9 (KV of positions 0..8 written)
 
@@ -49,73 +46,27 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from engine_proc.backends.base import Backend, PrefillChunk
 from engine_proc.block_pool import BlockPool, cdiv
+from engine_proc.kernels import TorchKernels, select_kernels
+from engine_proc.kv_cache import PagedKVCache
+from engine_proc.threads import ThreadPlan
 
 ATTN_IMPLEMENTATION = "tickserve_paged"
 """Name of :func:`paged_attention` in transformers' attention registry."""
 
 
-class PagedKVCache:
-    """The K/V tensors of every layer, addressed by block id (see the module docstring).
-
-    ``null_block`` (the last block) is all zeros: gathers pad short rows with it.
-    """
-
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
-        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
-        self.block_size = block_size
-        self.null_block = num_blocks
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.zero_blocks([self.null_block])
-
-    def zero_blocks(self, block_ids: Sequence[int]) -> None:
-        if not block_ids:
-            return
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.keys[0].device)
-        for cache in self.keys + self.values:
-            cache.index_fill_(0, idx, 0)
-
-    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store ``key``/``value`` ``[B, kv_heads, q, head_dim]`` at flat ``slots`` ``[B * q]``
-        (row-major: row 0's q tokens first)."""
-        kvh, dim = key.shape[1], key.shape[3]
-        self.keys[layer].view(-1, kvh, dim).index_copy_(0, slots, key.transpose(1, 2).reshape(-1, kvh, dim))
-        self.values[layer].view(-1, kvh, dim).index_copy_(0, slots, value.transpose(1, 2).reshape(-1, kvh, dim))
-
-    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the blocks ``block_tables`` ``[B, n]``, as ``[B, kv_heads, n * block_size,
-        head_dim]`` views (token ``t`` of row ``b`` at ``[b, :, t]``)."""
-        b, n = block_tables.shape
-        flat = block_tables.reshape(-1)
-        k = self.keys[layer].index_select(0, flat)
-        v = self.values[layer].index_select(0, flat)
-        kvh, dim = k.shape[2], k.shape[3]
-        return (k.view(b, n * self.block_size, kvh, dim).transpose(1, 2),
-                v.view(b, n * self.block_size, kvh, dim).transpose(1, 2))
-
-    def gather_row(self, layer: int, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one row's first ``length`` tokens (``block_ids`` ``[n]`` covers them),
-        as ``[kv_heads, length, head_dim]`` views."""
-        k = self.keys[layer].index_select(0, block_ids)
-        v = self.values[layer].index_select(0, block_ids)
-        kvh, dim = k.shape[2], k.shape[3]
-        return (k.view(-1, kvh, dim)[:length].transpose(0, 1),
-                v.view(-1, kvh, dim)[:length].transpose(0, 1))
-
-
 class DecodeAttention(str, enum.Enum):
-    """How a decode step attends (both give the same numbers).
+    """How a decode step attends (all give the same numbers, to rounding).
 
+    KERNEL: ``kernels.decode_attention`` — on a CPU the C kernel that reads each row's
+    blocks in place (no gather, no padding, one call per layer for the whole batch);
+    elsewhere two batched matmuls over gathered blocks. The default.
     BATCHED: one SDPA call over every row's KV gathered into ``[B, kv_heads, W, head_dim]``,
-    padded to the longest row with the null block, plus a key mask. One kernel launch
-    per layer: the choice on CUDA/MPS.
-    PER_ROW: one SDPA call per row over exactly its own KV. On CPU attention is bound by
-    memory traffic, and padding to the longest row moves more bytes than the loop costs:
-    measured ~2× faster there (32 rows of 50..1000 tokens, SmolLM2 shapes, 1 thread:
-    ~8 vs ~16 ms per layer), so it is the CPU choice.
+    padded to the longest row with the null block, plus a key mask.
+    PER_ROW: one SDPA call per row over exactly its own KV (a call per row per layer).
+    The last two are kept as the baselines of ``tools/bench_attention.py``.
     """
 
+    KERNEL = "kernel"
     BATCHED = "batched"
     PER_ROW = "per_row"
 
@@ -135,17 +86,21 @@ class PagedForward:
     block ids covering each row's KV after this forward, padded with the null block.
     ``seq_lens``: ``[B]`` KV length of each row after this forward (tokens).
     ``decode_attention``: decode only, the kernel choice; ``key_mask`` (BATCHED only),
-    ``[B, 1, 1, n * block_size]`` bool, True where a key exists.
+    ``[B, 1, 1, n * block_size]`` bool, True where a key exists; ``kernel_lens``
+    (KERNEL only): ``seq_lens`` as an int32 tensor. ``kernels``: the backend's
+    :class:`~engine_proc.kernels.TorchKernels` (or C kernels).
     """
 
     cache: PagedKVCache
     slots: torch.Tensor
-    block_tables: torch.Tensor
+    block_tables: torch.Tensor  # int32
     seq_lens: list[int]
     is_prefill: bool
-    decode_attention: DecodeAttention = DecodeAttention.BATCHED
+    decode_attention: DecodeAttention = DecodeAttention.KERNEL
     key_mask: torch.Tensor | None = field(default=None, repr=False)
     segments: list[tuple[int, int, int]] = field(default_factory=list)
+    kernels: TorchKernels | None = field(default=None, repr=False)
+    kernel_lens: torch.Tensor | None = field(default=None, repr=False)
 
     def row_blocks(self, i: int) -> torch.Tensor:
         """Row ``i``'s block ids ``[n_i]``, exactly covering its ``seq_lens[i]`` tokens."""
@@ -244,7 +199,18 @@ def _decode_attention(meta: PagedForward, layer: int, query: torch.Tensor,
     K/V are never repeated and a key mask broadcasts over heads and group.
     """
     batch, heads, _, dim = query.shape
-    kv_heads = meta.cache.keys[layer].shape[2]
+    if meta.decode_attention is DecodeAttention.KERNEL:
+        out = meta.kernels.decode_attention(query.reshape(batch, heads * dim), meta.cache.keys[layer],
+                                            meta.cache.values[layer], meta.block_tables, meta.kernel_lens,
+                                            scaling if scaling is not None else dim ** -0.5)
+        return out.view(batch, heads, 1, dim)
+    return decode_sdpa(meta, layer, query, scaling)
+
+
+def decode_sdpa(meta: PagedForward, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Decode attention through SDPA (BATCHED or PER_ROW): ``[B, heads, 1, dim]``."""
+    batch, heads, _, dim = query.shape
+    kv_heads = meta.cache.keys[layer].shape[1]
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim)
     if meta.decode_attention is DecodeAttention.BATCHED:
         k, v = meta.cache.gather(layer, meta.block_tables)  # [B, kv_heads, W, head_dim]
@@ -276,6 +242,11 @@ def _check_supported(config, max_model_len: int) -> None:
     if getattr(config, "attn_logit_softcapping", None):
         raise NotImplementedError("attention logit soft-capping is not supported by the paged backend; "
                                   "use --backend hf")
+
+
+def meta_is_prefill(meta: PagedForward | MixedForward) -> bool:
+    """A pass with no decode rows (their attention mode then does not matter)."""
+    return isinstance(meta, PagedForward) and meta.is_prefill
 
 
 @dataclass
@@ -311,12 +282,23 @@ class _Row:
 class PagedBackend(Backend):
     """Prefill chunks packed into one pass, decode batched, or both in one pass
     (:meth:`mixed_step`); KV in a :class:`PagedKVCache` indexed by the block tables of
-    ``block_pool`` (read-only here: the scheduler allocates and frees)."""
+    ``block_pool`` (read-only here: the scheduler allocates and frees).
+
+    Llama-family models run through :class:`~engine_proc.backends.llama_runner.LlamaRunner`
+    (fused projections and kernels); others through transformers' modeling code with
+    :func:`paged_attention` as their attention function.
+    """
 
     def __init__(self, model: torch.nn.Module, max_model_len: int, block_pool: BlockPool,
-                 decode_attention: DecodeAttention | str | None = None):
-        """``decode_attention``: None picks PER_ROW on CPU, BATCHED elsewhere. Raises
-        NotImplementedError for a model whose attention this backend would get wrong."""
+                 decode_attention: DecodeAttention | str | None = None, kernels: str = "auto",
+                 runner: bool | None = None, threads: ThreadPlan | None = None):
+        """``decode_attention``: None → KERNEL. ``kernels``: ``auto`` (C on a CPU where
+        they build, else torch ops) | ``c`` | ``torch``. ``runner``: None → the lean
+        runner when the model is one it runs, False → always transformers. Raises
+        NotImplementedError for a model whose attention this backend would get wrong,
+        and KernelsUnavailable for ``kernels="c"`` where they cannot be built."""
+        from engine_proc.backends.llama_runner import LlamaRunner, unsupported_reason
+
         config = model.config
         _check_supported(config, max_model_len)
         self.model = model
@@ -326,19 +308,54 @@ class PagedBackend(Backend):
         self.max_model_len = max_model_len
         self.block_pool = block_pool
         self.block_size = block_pool.block_size
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or heads
         self.cache = PagedKVCache(config.num_hidden_layers, block_pool.num_blocks, self.block_size,
                                   num_kv_heads, head_dim, param.dtype, self.device)
-        if decode_attention is None:
-            decode_attention = DecodeAttention.PER_ROW if self.device.type == "cpu" else DecodeAttention.BATCHED
-        self.decode_attention = DecodeAttention(decode_attention)
+        self.kernels = select_kernels(self.device, param.dtype, head_dim, heads // num_kv_heads, self.block_size,
+                                      kernels)
+        self.decode_attention = DecodeAttention(decode_attention or DecodeAttention.KERNEL)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise NotImplementedError(f"{type(model).__name__} cannot switch its attention function "
                                       "(AttentionInterface); use --backend hf")
+        why_not = unsupported_reason(model) if runner is not False else "disabled"
+        self.runner = LlamaRunner(model, self.cache, self.kernels, max_model_len) if why_not is None else None
+        self.model_runner = "tickserve llama" if self.runner else "transformers"
+        self.threads = threads if self.device.type == "cpu" else None
+        if self.threads is not None:
+            self.threads.kernels = self.kernels
         self._rows: dict[str, _Row] = {}
         self._decode: list[str] = []  # decode batch order
+
+    @property
+    def _reads_block_tails(self) -> bool:
+        """Whether decode attention reads the unwritten tail of a row's last block and
+        relies on it being finite (it masks the scores, but 0 · NaN is NaN): the torch
+        kernel and BATCHED SDPA do, so a row's new blocks are zeroed for them. The C
+        kernel and PER_ROW read exactly the written tokens."""
+        if self.decode_attention is DecodeAttention.KERNEL:
+            return self.kernels.name != "c"
+        return self.decode_attention is DecodeAttention.BATCHED
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: PagedForward | MixedForward,
+                 keep: torch.Tensor) -> torch.Tensor:
+        """One forward pass over the flat sequence ``ids`` ``[T]``; float32 logits at the
+        positions ``keep`` ``[K]``, shape ``[K, vocab]``."""
+        if self.threads is not None:
+            self.threads.apply(ids.numel())
+        if self.runner is not None and (self.decode_attention is DecodeAttention.KERNEL or meta_is_prefill(meta)):
+            decode = meta.decode if isinstance(meta, MixedForward) else None if meta.is_prefill else meta
+            prefill = meta.prefill if isinstance(meta, MixedForward) else meta if meta.is_prefill else None
+            return self.runner.forward(ids, positions, meta.slots, decode, prefill, keep).float()
+        if isinstance(meta, PagedForward) and not meta.is_prefill:  # transformers: a batch of 1-token rows
+            out = self.model(input_ids=ids.view(-1, 1), position_ids=positions.view(-1, 1), use_cache=False,
+                             logits_to_keep=1, paged_forward=meta)
+            return out.logits[:, -1].float()
+        out = self.model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
+                         logits_to_keep=keep, paged_forward=meta)
+        return out.logits[0].float()
 
     # ------------------------------------------------------------------ prefill
 
@@ -353,10 +370,9 @@ class PagedBackend(Backend):
         layers run once for all of them; attention runs per row over its own KV. Row
         state advances only after the forward succeeds."""
         part = self._prefill_inputs(chunks)
-        out = self.model(input_ids=part.ids.unsqueeze(0), position_ids=part.positions.unsqueeze(0),
-                         use_cache=False, logits_to_keep=part.keep, paged_forward=part.meta)
+        logits = self._forward(part.ids, part.positions, part.meta, part.keep)
         part.advance()
-        return part.chunk_logits(out.logits[0].float(), chunks)  # each row's last token
+        return part.chunk_logits(logits, chunks)  # each row's last token
 
     def _prefill_inputs(self, chunks, offset: int = 0) -> "_PassPart":
         """Inputs of ``chunks`` packed one after another; ``offset``: tokens before them in
@@ -386,7 +402,8 @@ class PagedBackend(Backend):
         null = self.cache.null_block
         meta = PagedForward(
             cache=self.cache, slots=torch.cat(slots), is_prefill=True, seq_lens=lens, segments=segments,
-            block_tables=torch.tensor([t + [null] * (width - len(t)) for t in tables], device=self.device))
+            block_tables=torch.tensor([t + [null] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                      device=self.device), kernels=self.kernels)
         return _PassPart(meta, torch.tensor(ids, dtype=torch.long, device=self.device), torch.cat(positions),
                          torch.tensor(last, device=self.device), rows, spans)
 
@@ -394,7 +411,8 @@ class PagedBackend(Backend):
         """A row's first chunk: its table from the pool; KV already holds the cached prefix."""
         block_ids = self.block_pool.block_table(row_id)
         cached = self.block_pool.num_cached_tokens(row_id)
-        self.cache.zero_blocks(block_ids[cached // self.block_size:])
+        if self._reads_block_tails:
+            self.cache.zero_blocks(block_ids[cached // self.block_size:])
         row = self._rows[row_id] = _Row(block_ids, cached)
         return row
 
@@ -408,11 +426,9 @@ class PagedBackend(Backend):
     @torch.inference_mode()
     def decode_step_batched(self, row_ids, token_ids, positions):
         part = self._decode_inputs(row_ids, token_ids, positions)
-        batch = len(row_ids)
-        out = self.model(input_ids=part.ids.view(batch, 1), position_ids=part.positions.view(batch, 1),
-                         use_cache=False, logits_to_keep=1, paged_forward=part.meta)
+        logits = self._forward(part.ids, part.positions, part.meta, part.keep)
         part.advance()
-        return out.logits[:, -1].float()
+        return logits
 
     def _decode_inputs(self, row_ids, token_ids, positions) -> "_PassPart":
         """Inputs of one decode step (one token per decode row). Validates; changes no row state."""
@@ -430,11 +446,14 @@ class PagedBackend(Backend):
             lens.append(pos + 1)
         width = max(len(t) for t in tables)
         null = self.cache.null_block
-        block_tables = torch.tensor([t + [null] * (width - len(t)) for t in tables], device=self.device)
+        block_tables = torch.tensor([t + [null] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                    device=self.device)
         meta = PagedForward(cache=self.cache, slots=torch.tensor(slots, device=self.device),
                             block_tables=block_tables, seq_lens=lens, is_prefill=False,
-                            decode_attention=self.decode_attention)
-        if self.decode_attention is DecodeAttention.BATCHED:
+                            decode_attention=self.decode_attention, kernels=self.kernels)
+        if self.decode_attention is DecodeAttention.KERNEL:
+            meta.kernel_lens = torch.tensor(lens, dtype=torch.int32, device=self.device)
+        elif self.decode_attention is DecodeAttention.BATCHED:
             seq_lens = torch.tensor(lens, device=self.device)
             key_mask = torch.arange(width * bs, device=self.device)[None, :] < seq_lens[:, None]
             meta.key_mask = key_mask[:, None, None, :]
@@ -462,13 +481,10 @@ class PagedBackend(Backend):
         prefill = self._prefill_inputs(chunks, offset=batch)
         meta = MixedForward(cache=self.cache, slots=torch.cat([decode.meta.slots, prefill.meta.slots]),
                             decode=decode.meta, prefill=prefill.meta)
-        out = self.model(input_ids=torch.cat([decode.ids, prefill.ids]).unsqueeze(0),
-                         position_ids=torch.cat([decode.positions, prefill.positions]).unsqueeze(0),
-                         use_cache=False, logits_to_keep=torch.cat([decode.keep, prefill.keep]),
-                         paged_forward=meta)
+        logits = self._forward(torch.cat([decode.ids, prefill.ids]), torch.cat([decode.positions, prefill.positions]),
+                               meta, torch.cat([decode.keep, prefill.keep]))  # [B + len(chunks), vocab]
         decode.advance()
         prefill.advance()
-        logits = out.logits[0].float()  # [B + len(chunks), vocab]
         return logits[:batch], prefill.chunk_logits(logits[batch:], chunks)
 
     # ------------------------------------------------------------------ release
@@ -496,7 +512,8 @@ class PagedBackend(Backend):
         if num_tokens > len(row.block_ids) * self.block_size:
             old = len(row.block_ids)
             row.block_ids = self.block_pool.block_table(row_id)
-            self.cache.zero_blocks(row.block_ids[old:])
+            if self._reads_block_tails:
+                self.cache.zero_blocks(row.block_ids[old:])
             if num_tokens > len(row.block_ids) * self.block_size:
                 raise ValueError(f"row {row_id}: {num_tokens} tokens exceed its "
                                  f"{len(row.block_ids)} blocks")

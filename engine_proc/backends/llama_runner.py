@@ -1,0 +1,262 @@
+"""A lean forward pass for Llama-family models over the paged KV cache.
+
+transformers' modeling code is general: per decoder layer it runs three projections
+for Q, K and V, RoPE as a dozen elementwise ops, an RMSNorm that round-trips through
+float32 in seven ops, the attention interface's dispatch, and two MLP projections plus
+the activation — about forty tensor ops a layer, 1,200 a step for SmolLM2's 30 layers.
+On a CPU each costs microseconds of dispatch, which at batch 1 is as much as the
+matmuls themselves. This runner reads the same weights and does, per layer::
+
+    h   = rms_norm(x + residual)                      kernels.add_rms_norm   (fused)
+    qkv = h @ W_qkvᵀ                                  one matmul (Q, K, V fused)
+    rope(q, k); k, v → cache slots                    kernels.rope_write_kv  (fused)
+    a   = attention(q, paged KV)                      kernels.decode_attention / SDPA per prefill row
+    x   = a @ W_oᵀ
+    h   = rms_norm(x + residual)                      kernels.add_rms_norm
+    x   = silu(h @ W_gateᵀ) · (h @ W_upᵀ) @ W_downᵀ    one matmul (gate, up fused) + kernels.silu_and_mul
+
+and the final norm and the LM head only on the positions whose logits are wanted.
+The fused weight matrices become the storage of the model's own ``q/k/v_proj`` and
+``gate/up_proj`` weights (views), so memory is not doubled and the model still runs
+through transformers unchanged.
+
+Numbers: the same as transformers' Llama to float32 rounding in float32 (tested); in
+bfloat16, RoPE is computed in float32 and rounded once where transformers rounds after
+each op, so logits differ by bfloat16 noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine_proc.kernels import TorchKernels
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def unsupported_reason(model) -> str | None:
+    """Why :class:`LlamaRunner` cannot run ``model`` (then the paged backend runs it
+    through transformers), or ``None``."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {config.model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} is not silu"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", "default") in ("dynamic", "longrope"):
+        return f"rope type {rope['rope_type']!r} depends on the sequence length"
+    inner = getattr(model, "model", None)
+    layer = getattr(inner, "layers", [None])[0]
+    needed = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+              "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+    if layer is None or any(_get(layer, n) is None for n in needed) or not hasattr(inner, "rotary_emb"):
+        return "the model's modules are not laid out as transformers' Llama"
+    return None
+
+
+def _get(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _fuse(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight ``[Σ out, in]`` (and bias) for several projections of the same input;
+    each module's parameters become views into it."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    biases = [m.bias for m in linears]
+    bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+    if any(b is not None for b in biases) and bias is None:
+        raise NotImplementedError("projections with and without bias cannot be fused")
+    start = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(weight[start:start + n], requires_grad=False)
+        if bias is not None:
+            m.bias = torch.nn.Parameter(bias[start:start + n], requires_grad=False)
+        start += n
+    return weight, bias
+
+
+class Linear:
+    """``y = x Wᵀ + b`` for ``x`` ``[T, in]``. On a CPU with oneDNN the weight is also kept
+    reordered into oneDNN's blocked layout once (what inductor's freezing pass does):
+    the plain ``F.linear`` reorders it on every call, which at decode batch sizes costs
+    as much as the product (measured: 2× faster at batch 1, 1.5× at batch 64, bfloat16).
+    Falls back to ``F.linear`` where the packed path is missing or disagrees."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool):
+        self.weight, self.bias = weight, bias
+        self.packed = _packed(weight, bias) if pack else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _packed(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``weight`` in oneDNN's layout, or ``None`` when that path is unavailable or wrong here."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+        x = torch.randn(3, weight.shape[1], dtype=weight.dtype)
+        got = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return None
+    want = F.linear(x, weight, bias)
+    tol = 1e-4 if weight.dtype == torch.float32 else 5e-2
+    if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
+        return None
+    return packed
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    eps1: float
+    qkv: Linear
+    o: Linear
+    ln2: torch.Tensor
+    eps2: float
+    gate_up: Linear
+    down: Linear
+
+
+class LlamaRunner:
+    """Runs a Llama-family model (see :func:`unsupported_reason`) on a flat token
+    sequence whose KV lives in a :class:`~engine_proc.backends.paged.PagedKVCache`.
+
+    ``kernels``: :class:`~engine_proc.kernels.CKernels` on a CPU, or the torch ops.
+    """
+
+    def __init__(self, model, cache, kernels: TorchKernels, max_model_len: int, pack_weights: bool = True):
+        reason = unsupported_reason(model)
+        if reason:
+            raise NotImplementedError(reason)
+        config = model.config
+        inner = model.model
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scale = self.head_dim ** -0.5
+        self.cache = cache
+        self.kernels = kernels
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.norm_eps = float(inner.norm.variance_epsilon)
+        self.lm_head = Linear(model.lm_head.weight.detach(), _bias(model.lm_head), pack_weights)
+        self.layers: list[_Layer] = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(
+                layer.input_layernorm.weight.detach(), float(layer.input_layernorm.variance_epsilon),
+                Linear(*_fuse(attn.q_proj, attn.k_proj, attn.v_proj), pack_weights),
+                Linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), pack_weights),
+                layer.post_attention_layernorm.weight.detach(), float(layer.post_attention_layernorm.variance_epsilon),
+                Linear(*_fuse(mlp.gate_proj, mlp.up_proj), pack_weights),
+                Linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), pack_weights)))
+        self.packed = all(lin.packed is not None for layer in self.layers for lin in (layer.qkv, layer.o))
+        self.cos_sin = rope_table(inner.rotary_emb, max_model_len, self.head_dim, self.embed.device)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, decode, prefill,
+                keep: torch.Tensor) -> torch.Tensor:
+        """Logits at the positions ``keep`` ``[K]`` of the sequence ``ids`` ``[T]``, shape
+        ``[K, vocab]`` in the model dtype.
+
+        The sequence holds ``B`` decode rows (one token each, first; ``decode``, a
+        ``PagedForward`` with int32 ``block_tables`` and ``kernel_lens``, or ``None``) and
+        then the prefill segments of ``prefill`` (a ``PagedForward`` or ``None``).
+        ``positions`` and ``slots`` ``[T]`` int64: each token's position and KV-cache slot.
+        """
+        k_caches, v_caches = self.cache.keys, self.cache.values
+        kern = self.kernels
+        hd = self.heads * self.head_dim
+        num_decode = len(decode.seq_lens) if decode is not None else 0
+        residual = F.embedding(ids, self.embed)
+        x = None
+        for i, layer in enumerate(self.layers):
+            h = kern.add_rms_norm(residual if x is None else x, None if x is None else residual, layer.ln1, layer.eps1)
+            qkv = layer.qkv(h)
+            kern.rope_write_kv(qkv, self.heads, self.kv_heads, positions, self.cos_sin, slots, k_caches[i], v_caches[i])
+            q = qkv[:, :hd]
+            if prefill is None:
+                attn = kern.decode_attention(q, k_caches[i], v_caches[i], decode.block_tables, decode.kernel_lens,
+                                             self.scale)
+            else:
+                attn = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+                if num_decode:
+                    attn[:num_decode] = kern.decode_attention(q[:num_decode], k_caches[i], v_caches[i],
+                                                              decode.block_tables, decode.kernel_lens, self.scale)
+                self._prefill_attention(i, q, prefill, num_decode, attn)
+            x = layer.o(attn)
+            h = kern.add_rms_norm(x, residual, layer.ln2, layer.eps2)
+            x = layer.down(kern.silu_and_mul(layer.gate_up(h)))
+        last = residual.index_select(0, keep)
+        last.add_(x.index_select(0, keep))
+        return self.lm_head(kern.add_rms_norm(last, None, self.norm, self.norm_eps))
+
+    def _prefill_attention(self, layer: int, q: torch.Tensor, prefill, offset: int, out: torch.Tensor) -> None:
+        """Each prefill segment attends causally over its row's KV ``[0, start + n)``
+        (already written to the cache this pass)."""
+        d = self.head_dim
+        for i, (off, n, start) in enumerate(prefill.segments):
+            k, v = self.cache.gather_row(layer, prefill.row_blocks(i), prefill.seq_lens[i])  # [kv_heads, L, D]
+            qs = q[offset + off: offset + off + n].view(n, self.heads, d).transpose(0, 1)  # [heads, n, D]
+            o = causal_attention(qs, k, v, start, self.scale)
+            out[offset + off: offset + off + n] = o.transpose(0, 1).reshape(n, self.heads * d)
+
+
+SMALL_ATTENTION = 1 << 20
+"""``n · L`` up to which :func:`causal_attention` materialises the scores (measured on a
+CPU: for a 130-token prompt, two matmuls around a float32 softmax took 0.43× the time of
+SDPA's flash kernel, which pays off only for long rows)."""
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Queries ``q`` ``[heads, n, D]`` at positions ``[start, start + n)`` over keys and
+    values ``[kv_heads, L, D]`` (``L = start + n``), causal: ``[heads, n, D]``.
+
+    Small problems: grouped-query heads folded into the query axis
+    (``[kv_heads, group · n, D]``), scores ``[kv_heads, group · n, L]`` in float32 with the
+    causal mask, softmax, then ``· V`` — no K/V repetition. Large ones: SDPA."""
+    heads, n, d = q.shape
+    kv_heads, length = k.shape[0], k.shape[1]
+    if n * length > SMALL_ATTENTION:
+        if start == 0:
+            return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
+                                                  enable_gqa=heads != kv_heads)[0]
+        mask = torch.arange(length, device=q.device)[None, :] <= torch.arange(start, start + n, device=q.device)[:, None]
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                              enable_gqa=heads != kv_heads)[0]
+    group = heads // kv_heads
+    scores = torch.matmul(q.reshape(kv_heads, group * n, d), k.transpose(1, 2)).float()
+    scores = scores.view(kv_heads, group, n, length)
+    future = torch.arange(length, device=q.device)[None, :] > torch.arange(start, start + n, device=q.device)[:, None]
+    scores.mul_(scale).masked_fill_(future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(kv_heads, group * n, length)
+    return torch.matmul(probs, v).view(heads, n, d)
+
+
+def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:
+    return linear.bias.detach() if linear.bias is not None else None
+
+
+def rope_table(rotary_emb, max_positions: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    """``[max_positions, head_dim]`` float32: row ``p`` is ``(cos θ_p | sin θ_p)`` over the
+    first half of the dimensions, from the model's own rotary module (so its rope type
+    and attention scaling apply). Raises NotImplementedError for a layout whose two
+    halves differ (an interleaved RoPE)."""
+    positions = torch.arange(max_positions, device=device)[None]
+    with torch.inference_mode():
+        cos, sin = rotary_emb(torch.zeros(1, dtype=torch.float32, device=device), positions)
+    cos, sin = cos[0].float(), sin[0].float()
+    half = head_dim // 2
+    if not (torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])):
+        raise NotImplementedError("the model's rotary embedding is not the half-split layout")
+    return torch.cat([cos[:, :half], sin[:, :half]], dim=1).contiguous()

@@ -1,0 +1,157 @@
+"""The non-matmul work of a forward pass over the paged KV cache, behind one interface.
+
+Two implementations with the same contract (and the same numbers, to rounding):
+
+* :class:`CKernels` — ``cpu_kernels.c`` compiled for this CPU (see :mod:`.build`):
+  decode attention that reads KV blocks in place, RoPE fused with the KV-cache write,
+  residual add fused with RMSNorm, SiLU fused with the gate product. One call each
+  per layer instead of a dozen tensor ops, which is what a decode step on a CPU spends
+  its time on outside the matmuls.
+* :class:`TorchKernels` — the same in PyTorch ops (any device; the reference the tests
+  compare the C kernels with, and the fallback where no C compiler is found).
+
+:func:`select_kernels` picks: C on a CPU where they build, else torch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine_proc.kernels.build import KernelShape, KernelsUnavailable, load
+from engine_proc.kv_cache import gather_blocks, write_slots
+
+log = logging.getLogger(__name__)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+class TorchKernels:
+    """The kernels in PyTorch ops (see the C source for each contract)."""
+
+    name = "torch"
+
+    def __init__(self, head_dim: int, group: int, block_size: int):
+        self.head_dim, self.group, self.block_size = head_dim, group, block_size
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """``q`` ``[B, heads · D]`` → ``[B, heads · D]``: each row attends over its first
+        ``seq_lens[b]`` cached tokens. The blocks are gathered and padded to the longest
+        row (null-block padding is masked), then two batched matmuls with a float32
+        softmax between them — on a CPU several times faster than SDPA for one query."""
+        b, width = block_tables.shape
+        d, g = self.head_dim, self.group
+        kvh = k_cache.shape[1]
+        k, v = gather_blocks(k_cache, v_cache, block_tables)  # [B, kvh, W·bs, D]
+        qg = q.reshape(b, kvh, g, d)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, kvh, G, W·bs]
+        keys = torch.arange(width * self.block_size, device=q.device)
+        scores.masked_fill_((keys[None, :] >= seq_lens[:, None].long())[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        return torch.matmul(probs, v).reshape(b, kvh * g * d)
+
+    def rope_write_kv(self, qkv: torch.Tensor, heads: int, kv_heads: int, positions: torch.Tensor,
+                      cos_sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> None:
+        """Rotate the query heads of ``qkv`` ``[T, (heads + 2·kv_heads) · D]`` in place and
+        write rotated keys and values to ``slots`` ``[T]`` of the caches."""
+        t, d = qkv.shape[0], self.head_dim
+        half = d // 2
+        cs = cos_sin.index_select(0, positions)
+        cos, sin = cs[:, None, :half], cs[:, None, half:]
+        qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
+        x1, x2 = qk[..., :half].float(), qk[..., half:].float()
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(qkv.dtype)
+        qk[:, :heads] = rotated[:, :heads]
+        write_slots(k_cache, v_cache, slots, rotated[:, heads:], qkv[:, (heads + kv_heads) * d:].reshape(t, kv_heads, d))
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """``residual += x`` (when given), then RMSNorm of it (of ``x`` otherwise)."""
+        if residual is not None:
+            residual.add_(x)
+            x = residual
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return weight * normed
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``[T, 2·I]`` (gate | up) → ``silu(gate) · up``, ``[T, I]``."""
+        inter = gate_up.shape[-1] // 2
+        return torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+    @staticmethod
+    def argmax(logits: torch.Tensor) -> torch.Tensor:
+        """``[B, vocab]`` float32 → ``[B]`` int64, the first index of each row's maximum."""
+        return logits.argmax(dim=-1)
+
+
+class CKernels(TorchKernels):
+    """The kernels of ``cpu_kernels.c``, compiled for this CPU and these shapes.
+
+    Inputs must be contiguous CPU tensors of the compiled dtype (``q`` may have a row
+    stride); block tables and lengths int32, positions and slots int64. Raises
+    :class:`KernelsUnavailable` from the constructor when the library cannot be built.
+    """
+
+    name = "c"
+
+    def __init__(self, dtype: torch.dtype, head_dim: int, group: int, block_size: int, num_threads: int):
+        super().__init__(head_dim, group, block_size)
+        self.lib = load(KernelShape(dtype, head_dim, group, block_size))
+        self.dtype = dtype
+        self.num_threads = num_threads
+
+    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale):
+        b = q.shape[0]
+        out = torch.empty(b, q.shape[1], dtype=q.dtype)
+        self.lib.decode_attention(_ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables),
+                                  block_tables.stride(0), _ptr(seq_lens), _ptr(out), out.stride(0), b,
+                                  k_cache.shape[1], scale, self.num_threads)
+        return out
+
+    def rope_write_kv(self, qkv, heads, kv_heads, positions, cos_sin, slots, k_cache, v_cache):
+        self.lib.rope_write_kv(_ptr(qkv), qkv.stride(0), qkv.shape[0], heads, kv_heads, _ptr(positions),
+                               _ptr(cos_sin), _ptr(slots), _ptr(k_cache), _ptr(v_cache), self.num_threads)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        out = torch.empty_like(x)
+        self.lib.add_rms_norm(_ptr(x), _ptr(residual) if residual is not None else None, _ptr(weight), _ptr(out),
+                              x.shape[0], x.shape[1], eps, self.num_threads)
+        return out
+
+    def argmax(self, logits):
+        if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.stride(-1) != 1:
+            return logits.argmax(dim=-1)
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self.lib.argmax_rows(_ptr(logits), logits.stride(0), logits.shape[0], logits.shape[1], _ptr(out),
+                             self.num_threads)
+        return out
+
+    def silu_and_mul(self, gate_up):
+        t, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(t, inter, dtype=gate_up.dtype)
+        self.lib.silu_and_mul(_ptr(gate_up), _ptr(out), t, inter, self.num_threads)
+        return out
+
+
+def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int, group: int, block_size: int,
+                   prefer: str = "auto") -> TorchKernels:
+    """C kernels on a CPU where they build (``prefer`` ``auto`` or ``c``), else torch ops.
+
+    ``prefer="c"`` raises :class:`KernelsUnavailable` instead of falling back."""
+    if prefer == "torch" or device.type != "cpu":
+        if prefer == "c":
+            raise KernelsUnavailable(f"the C kernels run on the CPU, not {device.type}")
+        return TorchKernels(head_dim, group, block_size)
+    try:
+        return CKernels(dtype, head_dim, group, block_size, torch.get_num_threads())
+    except KernelsUnavailable as exc:
+        if prefer == "c":
+            raise
+        log.warning("C kernels unavailable (%s); using torch ops", exc)
+        return TorchKernels(head_dim, group, block_size)

@@ -1,0 +1,407 @@
+/* tickserve's CPU kernels: the per-layer work of a decode step that is not a matmul.
+ *
+ * Compiled at run time for the host CPU by engine_proc/kernels/build.py, once per
+ * (dtype, head_dim, group, block_size), with the model's shapes as constants so every
+ * inner loop has a fixed trip count and vectorises (-O3 -march=native):
+ *
+ *   -DSCALAR_BF16=0|1   model and KV-cache dtype: float32, or bfloat16 held as uint16
+ *   -DHEAD_DIM=D        head dimension
+ *   -DGROUP=G           query heads per KV head (grouped-query attention)
+ *   -DBLOCK_SIZE=BS     tokens per KV-cache block
+ *
+ * KV-cache layout (one K and one V tensor per layer; block ids come from block tables),
+ * as in paged.py:
+ *   k_cache[block][kv head][D][BS]     keys transposed within a block: the BS keys of one
+ *                                      dimension are contiguous, so q·k for a whole block
+ *                                      is D vector FMAs with no horizontal sums
+ *   v_cache[block][kv head][BS][D]     values as rows: p·v accumulates along D
+ *
+ * All arithmetic is float32; bfloat16 values are widened on load and rounded to nearest
+ * even on store, as torch rounds. Every function takes `nthreads` (torch's intra-op
+ * thread count) and runs on the OpenMP runtime torch itself loaded (same soname, so
+ * the dynamic loader reuses it: one thread pool, no oversubscription).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if SCALAR_BF16
+typedef uint16_t scalar_t;
+static inline float load(scalar_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline scalar_t store(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (scalar_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                            /* nearest even */
+    return (scalar_t)(u >> 16);
+}
+#else
+typedef float scalar_t;
+static inline float load(scalar_t x) { return x; }
+static inline scalar_t store(float f) { return f; }
+#endif
+
+#define D HEAD_DIM
+#define G GROUP
+#define BS BLOCK_SIZE
+#define HALF (HEAD_DIM / 2)
+
+/* Explicit vectors (GCC/Clang vector extensions; 16 lanes is one AVX-512 register, two
+ * AVX2 ones): the attention loops are written on them, not left to the auto-vectoriser. */
+#define VL 16
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2)));
+#if HEAD_DIM % VL || BLOCK_SIZE % VL
+#error "HEAD_DIM and BLOCK_SIZE must be multiples of 16"
+#endif
+#define DV (D / VL)  /* vectors per head dimension */
+#define KV (BS / VL) /* vectors per block of keys */
+
+static inline vf vload(const scalar_t *p) {
+    vf f;
+#if SCALAR_BF16
+    vh h;
+    memcpy(&h, p, sizeof h);
+    vu u = __builtin_convertvector(h, vu) << 16;
+    memcpy(&f, &u, sizeof f);
+#else
+    memcpy(&f, p, sizeof f);
+#endif
+    return f;
+}
+
+static inline vf vselect(vi mask, vf a, vf b) { /* mask ? a : b, lane by lane (mask lanes 0 or -1) */
+    return (vf)(((vi)a & mask) | ((vi)b & ~mask));
+}
+
+/* Round every lane to the storage dtype and back (bfloat16: nearest even, NaN stays NaN). */
+static inline vf vround(vf f) {
+#if SCALAR_BF16
+    vu u = (vu)f;
+    u = (vu)vselect(f != f, (vf)(u | 0x00400000u), f); /* quiet a NaN so rounding keeps it one */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (vf)(u & 0xffff0000u);
+#else
+    return f;
+#endif
+}
+
+static inline void vstore(scalar_t *p, vf f) {
+#if SCALAR_BF16
+    vh h = __builtin_convertvector((vu)vround(f) >> 16, vh);
+    memcpy(p, &h, sizeof h);
+#else
+    memcpy(p, &f, sizeof f);
+#endif
+}
+
+static inline float vsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < VL; i++) s += v[i];
+    return s;
+}
+
+static inline float vmax(vf v) {
+    float m = v[0];
+    for (int i = 1; i < VL; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+/* exp_approx on every lane (the same polynomial; n rounded by the 1.5·2^23 trick). */
+static inline vf vexp(vf x) {
+    const vf lo = x * 0.0f - 87.0f, hi = x * 0.0f + 88.0f;
+    x = vselect(x < lo, lo, x);
+    x = vselect(x > hi, hi, x);
+    const vf t = x * 1.4426950408889634f;
+    const vf n = (t + 12582912.0f) - 12582912.0f;
+    const vf f = (t - n) * 0.6931471805599453f;
+    vf p = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666667e-1f + f * (4.1666668e-2f + f * (8.3333338e-3f
+           + f * (1.3888889e-3f + f * 1.9841270e-4f))))));
+    vi bits;
+    memcpy(&bits, &p, sizeof p);
+    bits += __builtin_convertvector(n, vi) << 23;
+    memcpy(&p, &bits, sizeof p);
+    return p;
+}
+
+/* e^x for x in [-87, 88], relative error ~2e-7: x·log2(e) = n + f with n an integer and
+ * |f| <= 1/2, 2^f by its Taylor series to degree 7, 2^n into the exponent bits. Written
+ * with plain arithmetic so that loops calling it vectorise (libm's expf does not). */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float t = x * 1.4426950408889634f;
+    float n = nearbyintf(t);
+    float f = (t - n) * 0.6931471805599453f; /* e^f = 2^(t - n) */
+    float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666667e-1f + f * (4.1666668e-2f + f * (8.3333338e-3f
+              + f * (1.3888889e-3f + f * 1.9841270e-4f))))));
+    int32_t bits;
+    memcpy(&bits, &p, 4);
+    bits += (int32_t)n << 23;
+    memcpy(&p, &bits, 4);
+    return p;
+}
+
+/* Decode attention over the paged KV cache, reading blocks in place (no gather, no
+ * padding): for every row b and query head h,
+ *
+ *     out[b, h] = softmax(scale · q[b, h] · K[b]ᵀ) · V[b]      over the row's seq_lens[b] keys
+ *
+ * with K[b], V[b] the tokens [0, seq_lens[b]) of the row's blocks
+ * block_tables[b, 0 .. ceil(seq_lens[b] / BS)). The softmax is computed online, one block
+ * at a time (running max and sum: Milakov & Gimelshein 2018, "Online normalizer
+ * calculation for softmax", §3), so each key and value is read exactly once. The G query
+ * heads of one KV head are one work item: they share every key and value load.
+ *
+ * q: [batch, heads · D] rows `q_stride` elements apart (heads = kv_heads · G);
+ * out: the same shape, rows `out_stride` apart; block_tables: [batch, table_stride] int32;
+ * seq_lens: [batch] int32, each >= 1. Keys past a row's length in its last block are
+ * read but masked (they are finite: blocks are zeroed when a row takes them).
+ */
+void decode_attention(const scalar_t *q, int64_t q_stride, const scalar_t *k_cache, const scalar_t *v_cache,
+                      const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                      scalar_t *out, int64_t out_stride, int batch, int kv_heads, float scale, int nthreads) {
+    const int64_t head_stride = (int64_t)D * BS;
+    const int64_t blk_stride = (int64_t)kv_heads * head_stride;
+    const int64_t items = (int64_t)batch * kv_heads;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1 && items > 1)
+    for (int64_t item = 0; item < items; item++) {
+        const int b = (int)(item / kv_heads), h = (int)(item % kv_heads);
+        float qf[G][D], m[G], l[G];
+        vf acc[G][DV];
+        const scalar_t *qb = q + b * q_stride + (int64_t)h * G * D;
+        for (int g = 0; g < G; g++) {
+            for (int d = 0; d < D; d++) qf[g][d] = load(qb[g * D + d]) * scale;
+            for (int j = 0; j < DV; j++) acc[g][j] = (vf){0};
+            m[g] = -FLT_MAX;
+            l[g] = 0.0f;
+        }
+        vi lane;
+        for (int i = 0; i < VL; i++) lane[i] = i;
+        const int len = seq_lens[b];
+        const int32_t *table = block_tables + b * table_stride;
+        for (int start = 0; start < len; start += BS) {
+            const int n = len - start < BS ? len - start : BS;
+            const int64_t base = (int64_t)table[start / BS] * blk_stride + (int64_t)h * head_stride;
+            const scalar_t *kb = k_cache + base, *vb = v_cache + base;
+            if (start + BS < len) { /* the next block is elsewhere in memory: fetch it while this one computes */
+                const int64_t next = (int64_t)table[start / BS + 1] * blk_stride + (int64_t)h * head_stride;
+                const char *nk = (const char *)(k_cache + next), *nv = (const char *)(v_cache + next);
+                for (int64_t off = 0; off < (int64_t)sizeof(scalar_t) * head_stride; off += 64) {
+                    __builtin_prefetch(nk + off);
+                    __builtin_prefetch(nv + off);
+                }
+            }
+            vf s[G][KV];
+            for (int g = 0; g < G; g++)
+                for (int j = 0; j < KV; j++) s[g][j] = (vf){0};
+            for (int d = 0; d < D; d++) { /* keys of dimension d, BS of them side by side */
+                for (int j = 0; j < KV; j++) {
+                    const vf k = vload(kb + d * BS + j * VL);
+                    for (int g = 0; g < G; g++) s[g][j] += qf[g][d] * k;
+                }
+            }
+            float p[G][BS];
+            for (int g = 0; g < G; g++) {
+                float mx = m[g];
+                for (int j = 0; j < KV; j++) {
+                    const vi valid = lane + j * VL < n;
+                    s[g][j] = vselect(valid, s[g][j], (vf){0} - FLT_MAX);
+                    const float bm = vmax(s[g][j]);
+                    mx = bm > mx ? bm : mx;
+                }
+                if (mx > m[g]) {
+                    const float corr = exp_approx(m[g] - mx);
+                    l[g] *= corr;
+                    for (int j = 0; j < DV; j++) acc[g][j] *= corr;
+                    m[g] = mx;
+                }
+                vf sum = {0};
+                for (int j = 0; j < KV; j++) {
+                    const vi valid = lane + j * VL < n;
+                    const vf e = vexp(s[g][j] - mx);
+                    const vf pj = vselect(valid, e, (vf){0});
+                    sum += pj;
+                    memcpy(&p[g][j * VL], &pj, sizeof pj);
+                }
+                l[g] += vsum(sum);
+            }
+            for (int t = 0; t < n; t++) { /* value rows */
+                vf v[DV];
+                for (int j = 0; j < DV; j++) v[j] = vload(vb + t * D + j * VL);
+                for (int g = 0; g < G; g++) {
+                    const float pt = p[g][t];
+                    for (int j = 0; j < DV; j++) acc[g][j] += pt * v[j];
+                }
+            }
+        }
+        scalar_t *ob = out + b * out_stride + (int64_t)h * G * D;
+        for (int g = 0; g < G; g++) {
+            const float inv = 1.0f / l[g];
+            for (int j = 0; j < DV; j++) vstore(ob + g * D + j * VL, acc[g][j] * inv);
+        }
+    }
+}
+
+/* Rotary position embedding (Su et al. 2021, "RoFormer", §3.4.2, in the half-split
+ * layout of GPT-NeoX and Hugging Face's Llama: dimension i pairs with i + D/2) applied
+ * to the query and key heads of a fused QKV projection, and the keys and values written
+ * to their cache slots:
+ *
+ *     qkv[t] = [q heads (heads · D) | k heads (kv_heads · D) | v heads (kv_heads · D)]
+ *     q heads rotated in place; rotated k and v → k_cache / v_cache at slot slots[t]
+ *
+ * cos_sin: [max_position, D] float32, row p = (cos θ_p,i for i < D/2 | sin θ_p,i for i < D/2),
+ * from the model's own rotary embedding (so rope scaling variants are whatever it computes).
+ * qkv: [ntok, ...] rows `qkv_stride` elements apart; positions and slots: [ntok] int64.
+ */
+void rope_write_kv(scalar_t *qkv, int64_t qkv_stride, int ntok, int heads, int kv_heads, const int64_t *positions,
+                   const float *cos_sin, const int64_t *slots, scalar_t *k_cache, scalar_t *v_cache, int nthreads) {
+    const int64_t head_stride = (int64_t)D * BS, blk_stride = (int64_t)kv_heads * head_stride;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && ntok > 64)
+    for (int t = 0; t < ntok; t++) {
+        const float *cs = cos_sin + positions[t] * D;
+        scalar_t *row = qkv + (int64_t)t * qkv_stride;
+        const int64_t blk = slots[t] / BS, off = slots[t] % BS;
+        for (int hh = 0; hh < heads + kv_heads; hh++) {
+            scalar_t *x = row + (int64_t)hh * D;
+            float y[D];
+#if HALF % VL == 0
+            for (int i = 0; i < HALF; i += VL) {
+                vf c, s;
+                memcpy(&c, cs + i, sizeof c);
+                memcpy(&s, cs + HALF + i, sizeof s);
+                const vf x1 = vload(x + i), x2 = vload(x + HALF + i);
+                const vf y1 = x1 * c - x2 * s, y2 = x2 * c + x1 * s;
+                memcpy(y + i, &y1, sizeof y1);
+                memcpy(y + HALF + i, &y2, sizeof y2);
+            }
+#else
+            for (int i = 0; i < HALF; i++) {
+                const float x1 = load(x[i]), x2 = load(x[i + HALF]);
+                y[i] = x1 * cs[i] - x2 * cs[HALF + i];
+                y[i + HALF] = x2 * cs[i] + x1 * cs[HALF + i];
+            }
+#endif
+            if (hh < heads) {
+                for (int i = 0; i < D; i += VL) {
+                    vf v;
+                    memcpy(&v, y + i, sizeof v);
+                    vstore(x + i, v);
+                }
+            } else { /* key: dimension i of this token at [blk][head][i][off] */
+                scalar_t *kdst = k_cache + blk * blk_stride + (int64_t)(hh - heads) * head_stride + off;
+                for (int i = 0; i < D; i++) kdst[(int64_t)i * BS] = store(y[i]);
+            }
+        }
+        const scalar_t *v = row + (int64_t)(heads + kv_heads) * D;
+        for (int hh = 0; hh < kv_heads; hh++)
+            memcpy(v_cache + blk * blk_stride + (int64_t)hh * head_stride + off * D, v + (int64_t)hh * D,
+                   sizeof(scalar_t) * D);
+    }
+}
+
+/* RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", eq. 4) of
+ * residual + x, as a Llama decoder layer does between its blocks:
+ *
+ *     residual ← residual + x                    (when residual is not NULL)
+ *     out      ← weight · (r / sqrt(mean(r²) + eps))
+ *
+ * rounded where Hugging Face's LlamaRMSNorm rounds (the normalised value is rounded to
+ * the model dtype before the weight multiplies it). x, residual, out: [ntok, hidden]
+ * contiguous; out may be x.
+ */
+void add_rms_norm(const scalar_t *x, scalar_t *residual, const scalar_t *weight, scalar_t *out, int ntok, int hidden,
+                  float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && ntok > 64)
+    for (int t = 0; t < ntok; t++) {
+        const scalar_t *xr = x + (int64_t)t * hidden;
+        scalar_t *rr = residual ? residual + (int64_t)t * hidden : 0;
+        scalar_t *o = out + (int64_t)t * hidden;
+        const scalar_t *src = rr ? rr : xr;
+        vf ss = {0};
+        int i = 0;
+        for (; i + VL <= hidden; i += VL) {
+            vf v = vload(xr + i);
+            if (rr) {
+                v = vround(vload(rr + i) + v);
+                vstore(rr + i, v);
+            }
+            ss += v * v;
+        }
+        float tail = 0.0f;
+        for (; i < hidden; i++) {
+            float v = load(xr[i]);
+            if (rr) {
+                rr[i] = store(load(rr[i]) + v);
+                v = load(rr[i]);
+            }
+            tail += v * v;
+        }
+        const float inv = 1.0f / sqrtf((vsum(ss) + tail) / (float)hidden + eps);
+        for (i = 0; i + VL <= hidden; i += VL) vstore(o + i, vload(weight + i) * vround(vload(src + i) * inv));
+        for (; i < hidden; i++) o[i] = store(load(weight[i]) * load(store(load(src[i]) * inv)));
+    }
+}
+
+/* SwiGLU's gate (Shazeer 2020, "GLU Variants Improve Transformer", eq. 6): for a fused
+ * gate/up projection gate_up [ntok, 2 · inter] = [gate | up],
+ *
+ *     out[t, i] = silu(gate[t, i]) · up[t, i],    silu(x) = x / (1 + e^-x)
+ *
+ * rounded after the silu and after the product, as the unfused PyTorch ops round.
+ * out: [ntok, inter] contiguous.
+ */
+void silu_and_mul(const scalar_t *gate_up, scalar_t *out, int ntok, int inter, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && ntok > 64)
+    for (int t = 0; t < ntok; t++) {
+        const scalar_t *g = gate_up + (int64_t)t * 2 * inter, *u = g + inter;
+        scalar_t *o = out + (int64_t)t * inter;
+        int i = 0;
+        for (; i + VL <= inter; i += VL) {
+            const vf x = vload(g + i), up = vload(u + i);
+            vstore(o + i, vround(x / (1.0f + vexp(-x))) * up);
+        }
+        for (; i < inter; i++) {
+            const float x = load(g[i]);
+            const float a = load(store(x / (1.0f + exp_approx(-x))));
+            o[i] = store(a * load(u[i]));
+        }
+    }
+}
+
+/* Greedy decoding's argmax: out[r] = the first index of the largest of x[r, 0 .. cols)
+ * (torch.argmax's tie rule), for float32 logits rows `stride` elements apart. */
+void argmax_rows(const float *x, int64_t stride, int rows, int cols, int64_t *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && rows > 1)
+    for (int r = 0; r < rows; r++) {
+        const float *row = x + (int64_t)r * stride;
+        int i = 0;
+        float best = -FLT_MAX;
+        if (cols >= VL) {
+            vf m;
+            memcpy(&m, row, sizeof m);
+            for (i = VL; i + VL <= cols; i += VL) {
+                vf v;
+                memcpy(&v, row + i, sizeof v);
+                m = vselect(v > m, v, m);
+            }
+            best = vmax(m);
+        }
+        for (; i < cols; i++) best = row[i] > best ? row[i] : best;
+        int64_t at = 0;
+        for (int j = 0; j < cols; j++)
+            if (row[j] == best) {
+                at = j;
+                break;
+            }
+        out[r] = at;
+    }
+}

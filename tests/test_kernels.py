@@ -1,0 +1,228 @@
+"""The forward-pass kernels: the C kernels against the torch ops, the torch ops against
+plain SDPA, the KV-cache layout helpers, packed linears, the thread plan and dtype
+selection; and the lean Llama runner against transformers' forward, through the paged
+backend, on the C kernels (block size 16)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_proc.backends.base import cpu_has_native_bf16, pick_dtype
+from engine_proc.backends.llama_runner import Linear, rope_table
+from engine_proc.kernels import CKernels, TorchKernels, select_kernels
+from engine_proc.kernels.build import KernelsUnavailable, compiler
+from engine_proc.kv_cache import PagedKVCache, gather_blocks, write_slots
+from engine_proc.threads import ThreadPlan
+from tests.helpers import assert_matches_reference, make_request, make_scheduler, run_until_idle, tokens_of
+
+HAVE_CC = compiler() is not None
+needs_c = pytest.mark.skipif(not HAVE_CC and not os.environ.get("TICKSERVE_REQUIRE_C_KERNELS"),
+                             reason="no C compiler: the C kernels cannot be built here")
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _cache(num_blocks, bs, kvh, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(1, num_blocks, bs, kvh, d, dtype, torch.device("cpu"))
+    cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=g))
+    cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=g))
+    return cache
+
+
+def _tables(lens, bs, num_blocks, seed=0):
+    rng = random.Random(seed)
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)
+    width = max(-(-n // bs) for n in lens)
+    rows, at = [], 0
+    for n in lens:
+        need = -(-n // bs)
+        rows.append(blocks[at:at + need] + [num_blocks] * (width - need))
+        at += need
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def _sdpa_reference(q, cache, tables, lens, heads, kvh, d, scale):
+    """Decode attention the slow, obvious way: per row, its own keys, SDPA in float32."""
+    out = []
+    for b, n in enumerate(lens):
+        k, v = cache.gather_row(0, tables[b].long()[: -(-n // cache.block_size)], n)
+        qb = q[b].float().view(kvh, heads // kvh, d)
+        out.append(F.scaled_dot_product_attention(qb, k.float(), v.float(), scale=scale).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,group", [(16, 2), (64, 3), (64, 1)])
+def test_torch_decode_attention_matches_sdpa(dtype, d, group):
+    kvh, bs = 2, 16
+    heads = kvh * group
+    lens = [1, 15, 16, 17, 40, 100]
+    cache = _cache(40, bs, kvh, d, dtype)
+    tables = _tables(lens, bs, 40)
+    q = torch.randn(len(lens), heads * d).to(dtype)
+    got = TorchKernels(d, group, bs).decode_attention(q, cache.keys[0], cache.values[0], tables,
+                                                      torch.tensor(lens, dtype=torch.int32), d ** -0.5)
+    want = _sdpa_reference(q, cache, tables, lens, heads, kvh, d, d ** -0.5)
+    assert (got.float() - want).abs().max().item() < TOL[dtype]
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,group,bs", [(16, 2, 16), (64, 3, 16), (64, 1, 32), (128, 4, 16)])
+def test_c_decode_attention_matches_torch(dtype, d, group, bs):
+    kvh = 2
+    heads = kvh * group
+    lens = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 200]
+    cache = _cache(60, bs, kvh, d, dtype, seed=1)
+    tables = _tables(lens, bs, 60, seed=1)
+    # q as a row-strided view, as the runner passes it (the Q part of a fused QKV row)
+    qkv = torch.randn(len(lens), (heads + 2 * kvh) * d).to(dtype)
+    q = qkv[:, : heads * d]
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    c = CKernels(dtype, d, group, bs, num_threads=2)
+    got = c.decode_attention(q, cache.keys[0], cache.values[0], tables, lens_t, d ** -0.5)
+    want = _sdpa_reference(q, cache, tables, lens, heads, kvh, d, d ** -0.5)
+    assert got.shape == (len(lens), heads * d)
+    assert (got.float() - want).abs().max().item() < TOL[dtype]
+    c.num_threads = 1  # the same numbers on one thread
+    assert torch.equal(got, c.decode_attention(q, cache.keys[0], cache.values[0], tables, lens_t, d ** -0.5))
+
+
+@needs_c
+def test_c_decode_attention_ignores_garbage_past_a_rows_length():
+    """The unwritten tail of a row's last block is read but masked: NaN there changes nothing."""
+    d, group, bs, kvh = 64, 3, 16, 2
+    cache = _cache(8, bs, kvh, d, torch.float32)
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    q = torch.randn(1, kvh * group * d)
+    c = CKernels(torch.float32, d, group, bs, num_threads=1)
+    lens = torch.tensor([20], dtype=torch.int32)
+    clean = c.decode_attention(q, cache.keys[0], cache.values[0], tables, lens, 0.125)
+    cache.keys[0][1, :, :, 4:] = float("nan")
+    cache.values[0][1, :, 4:, :] = float("nan")
+    assert torch.equal(clean, c.decode_attention(q, cache.keys[0], cache.values[0], tables, lens, 0.125))
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_rope_write_kv_matches_torch(dtype):
+    d, group, bs, kvh = 64, 3, 16, 3
+    heads = kvh * group
+    c, t = CKernels(dtype, d, group, bs, 2), TorchKernels(d, group, bs)
+    qkv = torch.randn(37, (heads + 2 * kvh) * d).to(dtype)
+    positions = torch.randint(0, 500, (37,))
+    slots = torch.randperm(20 * bs)[:37]
+    cos_sin = torch.randn(512, d)
+    outs = []
+    for k in (c, t):
+        x = qkv.clone()
+        cache = PagedKVCache(1, 20, bs, kvh, d, dtype, torch.device("cpu"))
+        cache.zero_blocks(range(20))  # compare written slots only: the rest is uninitialised
+        k.rope_write_kv(x, heads, kvh, positions, cos_sin, slots, cache.keys[0], cache.values[0])
+        outs.append((x, cache.keys[0], cache.values[0]))
+    for a, b in zip(*outs):
+        assert (a.float() - b.float()).abs().max().item() <= TOL[dtype] * 4
+    # V is copied untouched, to the slots named
+    _, v = gather_blocks(outs[0][1], outs[0][2], slots // bs)  # [kvh, 37 · bs, d]: each slot's block
+    picked = v[:, torch.arange(37) * bs + slots % bs].transpose(0, 1)
+    assert torch.equal(picked, qkv[:, (heads + kvh) * d:].view(37, kvh, d))
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_norm_silu_argmax_match_torch(dtype):
+    c, t = CKernels(dtype, 64, 3, 16, 2), TorchKernels(64, 3, 16)
+    for rows in (1, 5, 100):
+        x = torch.randn(rows, 584).to(dtype)  # 584: a tail after the last 16-wide vector
+        w = torch.randn(584).to(dtype)
+        r1, r2 = torch.randn(rows, 584).to(dtype), None
+        r2 = r1.clone()
+        a, b = c.add_rms_norm(x, r1, w, 1e-5), t.add_rms_norm(x, r2, w, 1e-5)
+        assert torch.equal(r1, r2)  # the residual sum is rounded once, as torch rounds
+        assert (a.float() - b.float()).abs().max().item() <= TOL[dtype] * 4
+        assert (c.add_rms_norm(x, None, w, 1e-6).float() - t.add_rms_norm(x, None, w, 1e-6).float()).abs().max() \
+            <= TOL[dtype] * 4
+        gu = (torch.randn(rows, 2 * 200) * 6).to(dtype)
+        assert (c.silu_and_mul(gu).float() - t.silu_and_mul(gu).float()).abs().max().item() <= TOL[dtype] * 8
+    logits = torch.randn(9, 1000)
+    logits[2, 10] = logits[2, 700] = 99.0  # a tie: the first index wins, as in torch.argmax
+    logits[5, -1] = 99.0  # the maximum in the scalar tail
+    assert torch.equal(c.argmax(logits), logits.argmax(-1)) and c.argmax(logits)[2].item() == 10
+
+
+def test_kv_layout_round_trip():
+    cache = PagedKVCache(1, 6, 4, 2, 8, torch.float32, torch.device("cpu"))
+    slots = torch.tensor([0, 5, 6, 13, 23])
+    k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    write_slots(cache.keys[0], cache.values[0], slots, k, v)
+    gk, gv = gather_blocks(cache.keys[0], cache.values[0], torch.arange(6))  # [2, 24, 8]
+    assert torch.equal(gk[:, slots].transpose(0, 1), k) and torch.equal(gv[:, slots].transpose(0, 1), v)
+    assert cache.keys[0][6].abs().sum() == 0  # the null block stays zero
+
+
+def test_select_kernels_falls_back_and_refuses_loudly():
+    assert select_kernels(torch.device("cpu"), torch.float32, 16, 2, 16, prefer="torch").name == "torch"
+    assert select_kernels(torch.device("cpu"), torch.float32, 8, 2, 16).name == "torch"  # head_dim 8: no C kernel
+    with pytest.raises(KernelsUnavailable):
+        select_kernels(torch.device("cpu"), torch.float32, 8, 2, 16, prefer="c")
+    with pytest.raises(KernelsUnavailable):
+        select_kernels(torch.device("cpu"), torch.float16, 64, 2, 16, prefer="c")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_equals_f_linear(dtype):
+    w, b = torch.randn(96, 64).to(dtype), torch.randn(96).to(dtype)
+    lin = Linear(w, b, pack=True)
+    x = torch.randn(7, 64).to(dtype)
+    assert (lin(x).float() - F.linear(x, w, b).float()).abs().max().item() < (1e-4 if dtype == torch.float32 else 0.1)
+    assert Linear(w, None, pack=False).packed is None
+
+
+def test_thread_plan_one_thread_for_small_passes():
+    before = torch.get_num_threads()
+    try:
+        plan = ThreadPlan(max_threads=2, single_thread_below=32)
+        assert plan.threads_for(1) == 1 and plan.threads_for(31) == 1 and plan.threads_for(32) == 2
+        assert plan.apply(64) == 2 and torch.get_num_threads() == 2
+        assert plan.apply(3) == 1 and torch.get_num_threads() == 1
+        assert ThreadPlan(max_threads=2, single_thread_below=0).threads_for(1) == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_auto_dtype_follows_the_cpu():
+    assert pick_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    assert pick_dtype("float32", torch.device("cpu")) == torch.float32
+    with pytest.raises(ValueError, match="int8"):
+        pick_dtype("int8", torch.device("cpu"))
+
+
+def test_rope_table_is_the_models_rotary_embedding(tiny_llama):
+    table = rope_table(tiny_llama.model.rotary_emb, 100, 16, torch.device("cpu"))
+    cos, sin = tiny_llama.model.rotary_emb(torch.zeros(1), torch.arange(100)[None])
+    assert torch.allclose(table[:, :8], cos[0, :, :8]) and torch.allclose(table[:, 8:], sin[0, :, :8])
+
+
+@needs_c
+@pytest.mark.parametrize("mode", ["chunked", "mixed_batch"])
+def test_runner_on_c_kernels_matches_transformers(tiny_llama, mode):
+    """Block size 16 and the tiny Llama's head_dim 16: the C kernels run. Rows joining and
+    leaving, sharing a prefix, mixed with prefill: every step's logits equal transformers'
+    teacher-forced forward."""
+    sched = make_scheduler(tiny_llama, kv_block_size=16, prefill_mode=mode, prefill_chunk_size=24)
+    assert sched.backend.kernels.name == "c" and sched.backend.runner is not None
+    rng = random.Random(3)
+    system = [rng.randrange(3, 49152) for _ in range(40)]
+    prompts = [(system if i % 2 else []) + [rng.randrange(3, 49152) for _ in range(5 + 9 * i)] for i in range(6)]
+    reqs = [make_request(p, max_tokens=m, ignore_eos=True) for p, m in zip(prompts, [30, 4, 17, 1, 25, 9])]
+    outs = run_until_idle(sched, {0: reqs[:2], 3: reqs[2:4], 7: reqs[4:]})
+    for req in reqs:
+        toks = tokens_of(outs[req.request_id])
+        assert len(toks) == req.params.max_tokens
+        assert_matches_reference(tiny_llama, req.prompt_token_ids, toks, sched.backend.logits[req.request_id])
