@@ -37,6 +37,7 @@ from engine_proc.policy import make_policy
 from engine_proc.request import Request
 from engine_proc.scheduler import Scheduler
 from engine_proc.stats_window import StatsWindow
+from engine_proc.threads import ThreadPlan, usable_cpus
 from shared import codec, config as cfg
 from shared import protocol as p
 from shared.protocol import BROADCAST_TOPIC
@@ -139,7 +140,8 @@ def make_backend(config: cfg.EngineConfig, model, max_model_len: int, pool: Bloc
         return HFBackend(model, max_model_len)
     from engine_proc.backends.paged import PagedBackend
 
-    return PagedBackend(model, max_model_len, pool)
+    threads = ThreadPlan(config.torch_threads or usable_cpus(), config.single_thread_below)
+    return PagedBackend(model, max_model_len, pool, threads=threads)
 
 
 class EngineServer:
@@ -450,8 +452,7 @@ def runtime_info(config: cfg.EngineConfig, scheduler: Scheduler, model_dir: str 
 
 
 def configure_torch(config: cfg.EngineConfig) -> None:
-    threads = config.torch_threads or max(1, (os.cpu_count() or 2) - 1)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(config.torch_threads or usable_cpus())
     torch.manual_seed(config.seed)
 
 

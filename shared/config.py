@@ -47,7 +47,7 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 class EngineConfig:
     model: str = _opt("", "local HF model directory or .gguf file; empty → embedded SmolLM2-135M-Instruct")
     device: str = _opt("auto", "auto | cuda | mps | cpu")
-    dtype: str = _opt("auto", "auto (bfloat16 on CUDA, float32 elsewhere) | float32 | bfloat16 | float16")
+    dtype: str = _opt("auto", "auto (bfloat16 on CUDA and on CPUs with native bfloat16: AVX-512 BF16, AMX, Arm bf16; float32 elsewhere) | float32 | bfloat16 | float16")
     run_dir: str = _opt("", "directory for ipc:// socket files; empty → a fresh directory under /tmp")
     input_addr: str = _opt("", "engine PULL address (submit/abort); empty → ipc://<run_dir>/input.sock")
     output_addr: str = _opt("", "engine PUB address (acks/tokens); empty → ipc://<run_dir>/output.sock")
@@ -66,7 +66,8 @@ class EngineConfig:
     backend: str = _opt("paged", "paged (KV in the block pool, prefix caching) | hf (DynamicCache, left-padded)")
     prefix_caching: bool = _opt(True, "reuse cached KV blocks of shared prompt prefixes (paged backend only)")
     max_model_len: int = _opt(2048, "context window in tokens (prompt + output); capped by the model's own")
-    torch_threads: int = _opt(0, "torch intra-op threads; 0 → all cores but one")
+    torch_threads: int = _opt(0, "torch intra-op threads of large forward passes; 0 → every CPU this process may use")
+    single_thread_below: int = _opt(32, "forward passes of fewer tokens than this run on one thread, leaving the other cores to the frontend (CPU; 0 → never)")
     heartbeat_interval_s: float = _opt(0.25, "engine → frontend heartbeat period, seconds")
     stats_interval_s: float = _opt(0.25, "period of the engine's stats broadcast (/scheduler/stats/stream, /dashboard), seconds; 0 → off")
     frontend_timeout_s: float = _opt(5.0, "a frontend silent this long has its requests aborted, seconds")

@@ -77,7 +77,8 @@ class ProcessGroup:
         return proc
 
     def engine(self, model_dir: Path, run_dir: Path, **options) -> Proc:
-        opts = {"model": model_dir, "run_dir": run_dir, "device": "cpu", "torch_threads": 1, **options}
+        opts = {"model": model_dir, "run_dir": run_dir, "device": "cpu", "dtype": "float32", "torch_threads": 1,
+                **options}
         return self.spawn(["-m", "engine_proc", *_flags(opts)], "engine")
 
     def frontend(self, model_dir: Path, run_dir: Path, port: int, **options) -> Proc:

@@ -119,7 +119,7 @@ def stats_ok(base: str) -> bool:
 
 def test_sigterm_lets_in_flight_streams_finish_then_exits_clean(serve):
     proc, base, run_dir = serve
-    body = {**LONG, "max_tokens": 300}
+    body = {**LONG, "max_tokens": 1500}  # still streaming when SIGTERM lands
     runs = [([], threading.Event(), threading.Event()) for _ in range(2)]
     threads = [threading.Thread(target=_stream_events, args=(base, body, ev, s, d)) for ev, s, d in runs]
     for t in threads:

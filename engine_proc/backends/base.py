@@ -108,8 +108,37 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 matmuls natively: AMX or AVX-512 BF16 on x86
+    (asked of torch), the ``bf16`` feature on Arm. Without it, oneDNN emulates bfloat16
+    through float32 and it is slower than float32 itself."""
+    import platform
+
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        fn = getattr(torch.cpu, probe, None)
+        if fn is not None and fn():
+            return True
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        try:
+            with open("/proc/cpuinfo") as fh:
+                return any(line.startswith("Features") and " bf16" in line for line in fh)
+        except OSError:
+            return False
+    return False
+
+
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` → bfloat16 on CUDA, float32 elsewhere (CPU bf16 matmuls are slow)."""
+    """``auto`` → bfloat16 on CUDA and on a CPU that runs it natively
+    (:func:`cpu_has_native_bf16`), float32 elsewhere (MPS included). bfloat16 matches
+    float32 closely on the default model (``tools/bench_accuracy.py``). Raises
+    ``ValueError`` for an unknown name."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+        if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
+            return torch.bfloat16
+        return torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (auto, {', '.join(DTYPES)})")
+    return DTYPES[name]
