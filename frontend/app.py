@@ -667,8 +667,14 @@ def _validation_error(exc: ValidationError) -> HTTPError:
     return HTTPError(400, message, param=loc[0] if loc else None)
 
 
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    """One SSE event. JSON leaves U+0085, U+2028 and U+2029 unescaped, but clients that
+    split a stream with ``str.splitlines`` (httpx's ``iter_lines``, Python's own line
+    readers) break an event at them: they are escaped, so every event is one line."""
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 def _authorized(request: Request, api_key: str) -> bool:

@@ -21,6 +21,13 @@ Usage:
         --out bench-results/http.json
     python tools/bench_http.py --url http://127.0.0.1:8000      # a server you started
     python tools/bench_http.py --server-args "--max-batch-size 16 --policy fair"
+    python tools/bench_http.py --concurrency 1 16 64 --prompt-words 100 --max-tokens 128 \\
+        --url http://127.0.0.1:8001 --model "$MODEL_DIR"          # vLLM, or any OpenAI server
+
+``--prompt-words W`` sends prompts of W random words (seeded, distinct per request;
+100 words are ~130 SmolLM2 tokens: the issue's speed workload), and the report gives
+the prompt tokens the server counted. ``--model`` is the name sent in each request
+(vLLM refuses a request without its served name; tickserve accepts none).
 
 N is ``--num-requests`` or, when 0, max(8, 2·C). Prints one JSON summary on stdout
 (progress on stderr). Loopback only; every request and every level has a timeout; the
@@ -54,6 +61,10 @@ def parse_args(argv=None):
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16], help="in-flight requests per level")
     ap.add_argument("--num-requests", type=int, default=0, help="requests per level; 0 → max(8, 2·C)")
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
+    ap.add_argument("--prompt-words", type=int, default=0,
+                    help="prompts of this many random words (seeded); 0 → one short sentence per request")
+    ap.add_argument("--model", default="", help="model name sent in each request; empty → none")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random-word prompts")
     ap.add_argument("--url", help="benchmark this running server instead of starting one (loopback only)")
     ap.add_argument("--port", type=int, default=0, help="port for the started server; 0 → a free one")
     ap.add_argument("--server-args", default="", help="extra flags for `tickserve serve` (one string)")
@@ -143,14 +154,38 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 # ---------------------------------------------------------------------- the client
 
-def prompt_for(level: int, i: int) -> str:
+WORDS = ("time year people way day man thing woman life child world school state family student group "
+         "country problem hand part place case week company system program question work government number "
+         "night point home water room mother area money story fact month lot right study book eye job word "
+         "business issue side kind head house service friend father power hour game line end member law car "
+         "city community name president team minute idea kid body information back parent face others level "
+         "office door health person art war history party result change morning reason research girl guy "
+         "moment air teacher force education foot boy age policy music market sense nation plan college "
+         "interest death experience effect use class control care field development role effort rate heart "
+         "drug show leader light voice wife police mind price report decision son view relationship town road "
+         "arm difference value building action model season society tax director position player record paper "
+         "space ground form event official matter center couple site project activity star table need court "
+         "oil situation cost industry figure street image phone data picture practice piece land product doctor "
+         "wall patient worker news test movie north love support technology step baby computer type attention "
+         "film tree source organization hair window evidence population site blue green quickly river mountain").split()
+
+
+def prompt_for(level: int, i: int, words: int = 0, seed: int = 0) -> str:
+    """Request ``i`` of a level: a short sentence, or ``words`` random words (seeded by
+    ``seed``, the level and ``i``, so every server gets the same prompts)."""
+    if words:
+        import random
+        rng = random.Random(f"{seed}-{level}-{i}")
+        return " ".join(rng.choice(WORDS) for _ in range(words))
     return f"Request {i} at concurrency {level}: write a few lines about {TOPICS[i % len(TOPICS)]}."
 
 
-async def one_request(client, url: str, prompt: str, max_tokens: int) -> dict:
+async def one_request(client, url: str, prompt: str, max_tokens: int, model: str = "") -> dict:
     """Stream one completion. Returns times (perf_counter seconds) and counts."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
     sent = time.perf_counter()
     chunks: list[float] = []
     usage, finish, error = None, None, None
@@ -186,7 +221,8 @@ async def one_request(client, url: str, prompt: str, max_tokens: int) -> dict:
     except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
         error = f"{type(exc).__name__}: {exc}"
     return {"sent": sent, "done": time.perf_counter(), "chunks": chunks, "finish": finish,
-            "completion_tokens": (usage or {}).get("completion_tokens"), "error": error}
+            "completion_tokens": (usage or {}).get("completion_tokens"),
+            "prompt_tokens": (usage or {}).get("prompt_tokens"), "error": error}
 
 
 async def run_level(url: str, concurrency: int, n: int, args) -> dict:
@@ -200,7 +236,8 @@ async def run_level(url: str, concurrency: int, n: int, args) -> dict:
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         async def worker():
             for i in next_index:  # shared iterator: each index is taken once
-                results.append(await one_request(client, url, prompt_for(concurrency, i), args.max_tokens))
+                prompt = prompt_for(concurrency, i, args.prompt_words, args.seed)
+                results.append(await one_request(client, url, prompt, args.max_tokens, args.model))
 
         start = time.perf_counter()
         tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
@@ -217,6 +254,7 @@ async def run_level(url: str, concurrency: int, n: int, args) -> dict:
     wall = end - start
     tokens = sum(r["completion_tokens"] if r["completion_tokens"] is not None else len(r["chunks"]) for r in ok)
     n_chunks = sum(len(r["chunks"]) for r in ok)
+    prompt_tokens = [r["prompt_tokens"] for r in ok if r.get("prompt_tokens")]
     ttft = [(r["chunks"][0] - r["sent"]) * 1e3 for r in ok]
     itl = [(b - a) * 1e3 for r in ok for a, b in zip(r["chunks"], r["chunks"][1:])]
     level = {
@@ -227,6 +265,7 @@ async def run_level(url: str, concurrency: int, n: int, args) -> dict:
         "error_samples": errors[:3],
         "finish_reasons": sorted({r["finish"] for r in ok if r["finish"]}),
         "output_tokens": tokens,
+        "prompt_tokens_mean": round(sum(prompt_tokens) / len(prompt_tokens), 1) if prompt_tokens else None,
         "wall_s": round(wall, 3),
         "output_tokens_per_s": round(tokens / wall, 2) if wall > 0 else None,
         "requests_per_s": round(len(ok) / wall, 3) if wall > 0 else None,
@@ -244,7 +283,7 @@ async def run_all(url: str, args) -> list[dict]:
 
     if not args.no_warmup:
         async with httpx.AsyncClient(timeout=args.request_timeout, trust_env=False) as client:
-            warm = await one_request(client, url, "Warm-up: say hello.", min(8, args.max_tokens))
+            warm = await one_request(client, url, "Warm-up: say hello.", min(8, args.max_tokens), args.model)
         if warm.get("error"):
             raise RuntimeError(f"warm-up request failed: {warm['error']}")
     levels = []
