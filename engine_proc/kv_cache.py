@@ -1,16 +1,22 @@
 """The paged KV cache's tensors and their layout (the block pool names the blocks).
 
-One K and one V tensor per decoder layer, in the model dtype::
+One K and one V tensor per decoder layer, in the model dtype. float32::
 
-    keys[layer]     [num_blocks + 1, kv_heads, head_dim, block_size]   a block's keys transposed
+    keys[layer]     [num_blocks + 1, kv_heads, head_dim, block_size]     a block's keys transposed
     values[layer]   [num_blocks + 1, kv_heads, block_size, head_dim]
+
+bfloat16, in pairs (two bfloat16 values side by side in 32 bits, the operand layout of
+AVX-512 BF16's ``vdpbf16ps``, which multiplies and sums such pairs)::
+
+    keys[layer]     [num_blocks + 1, kv_heads, head_dim / 2, block_size, 2]   dims 2i, 2i+1 of a key
+    values[layer]   [num_blocks + 1, kv_heads, block_size / 2, head_dim, 2]   tokens 2t, 2t+1 of a dim
 
 Block ids ``0 .. num_blocks-1`` come from the block pool's tables; block ``num_blocks``
 is the null block: zeros, pads gathers, never written. Keys are stored transposed
 within a block (the ``block_size`` keys of one dimension side by side) so that the CPU
-decode kernel computes ``q · k`` for a whole block as ``head_dim`` vector
-multiply-adds with no horizontal sums; values stay rows, as ``p · v`` accumulates along
-``head_dim``. Everything outside this module and the C kernel reads the cache through
+decode kernel computes ``q · k`` for a whole block as vector multiply-adds with no
+horizontal sums; values stay rows, as ``p · v`` accumulates along ``head_dim``.
+Everything outside this module and the C kernel reads the cache through
 :func:`write_slots` and :func:`gather_blocks`, which take and give the usual
 ``[…, kv_heads, tokens, head_dim]``.
 
@@ -25,13 +31,23 @@ from collections.abc import Sequence
 import torch
 
 
+def paired(k_cache: torch.Tensor) -> bool:
+    """Whether a cache tensor uses the bfloat16 pair layout."""
+    return k_cache.dim() == 5
+
+
 def write_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor) -> None:
     """Store ``key``/``value`` ``[n, kv_heads, head_dim]`` at flat ``slots`` ``[n]``."""
-    bs = k_cache.shape[-1]
+    n, kvh, dim = key.shape
+    bs = k_cache.shape[-2] if paired(k_cache) else k_cache.shape[-1]
     block, offset = slots // bs, slots % bs
-    k_cache[block, :, :, offset] = key.to(k_cache.dtype)
-    v_cache[block, :, offset, :] = value.to(v_cache.dtype)
+    if paired(k_cache):
+        k_cache[block, :, :, offset, :] = key.to(k_cache.dtype).view(n, kvh, dim // 2, 2)
+        v_cache[block, :, offset // 2, :, offset % 2] = value.to(v_cache.dtype)
+    else:
+        k_cache[block, :, :, offset] = key.to(k_cache.dtype)
+        v_cache[block, :, offset, :] = value.to(v_cache.dtype)
 
 
 def gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor
@@ -39,10 +55,17 @@ def gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch
     """K and V of the blocks ``block_ids`` ``[..., n]`` as ``[..., kv_heads, n · block_size,
     head_dim]`` (new tensors; token ``t`` of the blocks at index ``t`` of the token axis)."""
     lead, n = block_ids.shape[:-1], block_ids.shape[-1]
-    kvh, dim, bs = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     flat = block_ids.reshape(-1)
-    k = k_cache.index_select(0, flat).view(*lead, n, kvh, dim, bs).movedim(-4, -3).transpose(-1, -2)
-    v = v_cache.index_select(0, flat).view(*lead, n, kvh, bs, dim).movedim(-4, -3)
+    k, v = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
+    if paired(k_cache):  # [N, kvh, D/2, bs, 2] → [N, kvh, bs, D];  [N, kvh, bs/2, D, 2] → [N, kvh, bs, D]
+        kvh, half, bs = k.shape[1], k.shape[2], k.shape[3]
+        k = k.permute(0, 1, 3, 2, 4).reshape(-1, kvh, bs, 2 * half)
+        v = v.permute(0, 1, 2, 4, 3).reshape(-1, kvh, bs, 2 * half)
+    else:  # [N, kvh, D, bs] → [N, kvh, bs, D]
+        k = k.transpose(-1, -2)
+    kvh, bs, dim = v.shape[1], v.shape[2], v.shape[3]
+    k = k.reshape(*lead, n, kvh, bs, dim).movedim(-4, -3)
+    v = v.reshape(*lead, n, kvh, bs, dim).movedim(-4, -3)
     return k.reshape(*lead, kvh, n * bs, dim), v.reshape(*lead, kvh, n * bs, dim)
 
 
@@ -56,10 +79,14 @@ class PagedKVCache:
                  head_dim: int, dtype: torch.dtype, device: torch.device):
         self.block_size = block_size
         self.null_block = num_blocks
-        self.keys = [torch.empty((num_blocks + 1, num_kv_heads, head_dim, block_size), dtype=dtype, device=device)
-                     for _ in range(num_layers)]
-        self.values = [torch.empty((num_blocks + 1, num_kv_heads, block_size, head_dim), dtype=dtype, device=device)
-                       for _ in range(num_layers)]
+        nb = num_blocks + 1
+        if dtype == torch.bfloat16 and head_dim % 2 == 0 and block_size % 2 == 0:
+            k_shape = (nb, num_kv_heads, head_dim // 2, block_size, 2)
+            v_shape = (nb, num_kv_heads, block_size // 2, head_dim, 2)
+        else:
+            k_shape, v_shape = (nb, num_kv_heads, head_dim, block_size), (nb, num_kv_heads, block_size, head_dim)
+        self.keys = [torch.empty(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.zero_blocks([self.null_block])
 
     def zero_blocks(self, block_ids: Sequence[int]) -> None:

@@ -156,14 +156,17 @@ def test_a_failing_prefill_fails_only_its_row(tiny_llama):
     assert sched.active_kv_reserved == 0 and sched.block_pool.num_used_blocks == 0
 
 
-def test_pool_sized_from_a_memory_fraction(tiny_llama):
+def test_pool_sized_for_the_batch_and_capped_by_a_memory_fraction(tiny_llama):
     from engine_proc.engine import available_memory_bytes, kv_bytes_per_block
 
     per_block = kv_bytes_per_block(tiny_llama, 16)
     assert per_block == 2 * 2 * 2 * 16 * 16 * 4  # K+V · layers · kv_heads · head_dim · tokens · fp32
-    sched = make_scheduler(tiny_llama, record=False, kv_memory_fraction=0.001)
-    expected = int(available_memory_bytes(torch.device("cpu")) * 0.001) // per_block
-    assert abs(sched.block_pool.num_blocks - expected) <= expected // 10 + 1
+    full = 8 * (1024 // 16)  # max_batch_size rows at max_model_len (the helpers' 8 and 1024)
+    assert make_scheduler(tiny_llama, record=False, kv_memory_fraction=0).block_pool.num_blocks == full
+    assert make_scheduler(tiny_llama, record=False).block_pool.num_blocks == full  # the default cap is far
+    fraction = 0.2 * full * per_block / available_memory_bytes(torch.device("cpu"))  # a cap of ~full/5
+    capped = make_scheduler(tiny_llama, record=False, kv_memory_fraction=fraction).block_pool.num_blocks
+    assert abs(capped - full // 5) <= full // 20 + 1
     assert make_scheduler(tiny_llama, record=False, kv_num_blocks=7).block_pool.num_blocks == 7
 
 

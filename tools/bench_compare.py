@@ -26,7 +26,8 @@ Usage::
     # a server that is already running (loopback only)
     python tools/bench_compare.py --url 'mine=http://127.0.0.1:8000' --tickserve new=
 
-``--tickserve LABEL[@GITREF]=FLAGS``: ``tickserve serve`` with FLAGS; with ``@GITREF``,
+``--tickserve LABEL[@GITREF]=FLAGS``: ``tickserve serve`` with FLAGS (leading
+``NAME=VALUE`` words set the server's environment, e.g. ``OMP_WAIT_POLICY=PASSIVE``); with ``@GITREF``,
 from a worktree of that commit (made under a temporary directory and removed at the
 end), run by this virtualenv's Python. ``--vllm LABEL=FLAGS``: vLLM's OpenAI server from
 ``--vllm-python`` (its own virtualenv; see ``../shared/design/PEERS.md``-style setup in
@@ -170,11 +171,14 @@ def build_targets(args, tmp: Path) -> tuple[list[Target], list[Path]]:
             tree = make_worktree(ref, tmp)
             trees.append(tree)
         port = free_port()
+        words = shlex.split(flags)
+        env = {"PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        while words and "=" in words[0] and not words[0].startswith("-"):  # leading NAME=VALUE: environment
+            name, value = words.pop(0).split("=", 1)
+            env[name] = value
         cmd = [sys.executable, "-m", "shared.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--served-model-name", MODEL_NAME, *shlex.split(flags)]
-        targets.append(Target(label, "tickserve", f"http://127.0.0.1:{port}", cmd, str(tree),
-                              {"PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"},
-                              flags))
+               "--served-model-name", MODEL_NAME, *words]
+        targets.append(Target(label, "tickserve", f"http://127.0.0.1:{port}", cmd, str(tree), env, flags))
     for spec in args.vllm:
         label, flags = _split(spec, "--vllm")
         if not Path(args.vllm_python).exists():

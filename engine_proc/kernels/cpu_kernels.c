@@ -10,11 +10,17 @@
  *   -DBLOCK_SIZE=BS     tokens per KV-cache block
  *
  * KV-cache layout (one K and one V tensor per layer; block ids come from block tables),
- * as in paged.py:
- *   k_cache[block][kv head][D][BS]     keys transposed within a block: the BS keys of one
- *                                      dimension are contiguous, so q·k for a whole block
- *                                      is D vector FMAs with no horizontal sums
- *   v_cache[block][kv head][BS][D]     values as rows: p·v accumulates along D
+ * as in engine_proc/kv_cache.py:
+ *   float32   k_cache[block][kv head][D][BS]       keys transposed within a block: the BS keys
+ *                                                  of one dimension are contiguous, so q·k for a
+ *                                                  whole block is D vector FMAs, no horizontal sums
+ *             v_cache[block][kv head][BS][D]       values as rows: p·v accumulates along D
+ *   bfloat16  k_cache[block][kv head][D/2][BS][2]  the same, in pairs of dimensions
+ *             v_cache[block][kv head][BS/2][D][2]  the same, in pairs of tokens
+ * Pairs are AVX-512 BF16's operand layout: vdpbf16ps multiplies 32 pairs of bfloat16 and
+ * adds each pair's two products into one of 16 float32 lanes, so q·k takes D/2 such
+ * instructions per block and p·v BS/2 per row of D. Without AVX-512 BF16 the pairs are
+ * split into two float32 vectors (a shift and a mask) and multiplied as such.
  *
  * All arithmetic is float32; bfloat16 values are widened on load and rounded to nearest
  * even on store, as torch rounds. Every function takes `nthreads` (torch's intra-op
@@ -64,6 +70,31 @@ typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 #endif
 #define DV (D / VL)  /* vectors per head dimension */
 #define KV (BS / VL) /* vectors per block of keys */
+#define PAIRED SCALAR_BF16
+#if PAIRED && defined(__AVX512BF16__) && VL == 16
+#include <immintrin.h>
+#define DPBF16 1
+#else
+#define DPBF16 0
+#endif
+
+/* 16 lanes of bfloat16 pairs: the even (low) and odd (high) halves as float32 vectors. */
+static inline vf pair_lo(vu pairs) { return (vf)(pairs << 16); }
+static inline vf pair_hi(vu pairs) { return (vf)(pairs & 0xffff0000u); }
+static inline vu vload_pairs(const uint16_t *p) {
+    vu u;
+    memcpy(&u, p, sizeof u);
+    return u;
+}
+/* acc + Σ over each lane's pair: a.lo·b.lo + a.hi·b.hi, b one pair broadcast to every lane. */
+static inline vf dot_pairs(vf acc, vu a, uint32_t b) {
+#if DPBF16
+    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)(__m512i)a, (__m512bh)_mm512_set1_epi32((int)b));
+#else
+    vu bv = (vu){0} + b;
+    return acc + pair_lo(a) * pair_lo(bv) + pair_hi(a) * pair_hi(bv);
+#endif
+}
 
 static inline vf vload(const scalar_t *p) {
     vf f;
@@ -103,16 +134,26 @@ static inline void vstore(scalar_t *p, vf f) {
 #endif
 }
 
+/* Horizontal sum and maximum of the 16 lanes, by halving (4 shuffles). */
+static inline vf vswap(vf v, int width) {
+    static const vi masks[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                                {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+                                {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+                                {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
+    return __builtin_shuffle(v, masks[width]);
+}
+
 static inline float vsum(vf v) {
-    float s = 0.0f;
-    for (int i = 0; i < VL; i++) s += v[i];
-    return s;
+    for (int w = 0; w < 4; w++) v += vswap(v, w);
+    return v[0];
 }
 
 static inline float vmax(vf v) {
-    float m = v[0];
-    for (int i = 1; i < VL; i++) m = v[i] > m ? v[i] : m;
-    return m;
+    for (int w = 0; w < 4; w++) {
+        const vf o = vswap(v, w);
+        v = vselect(o > v, o, v);
+    }
+    return v[0];
 }
 
 /* exp_approx on every lane (the same polynomial; n rounded by the 1.5·2^23 trick). */
@@ -183,6 +224,11 @@ void decode_attention(const scalar_t *q, int64_t q_stride, const scalar_t *k_cac
             m[g] = -FLT_MAX;
             l[g] = 0.0f;
         }
+#if PAIRED
+        uint32_t qpair[G][D / 2]; /* q as bfloat16 pairs (unscaled: the scores are scaled after) */
+        for (int g = 0; g < G; g++)
+            for (int dp = 0; dp < D / 2; dp++) memcpy(&qpair[g][dp], qb + g * D + 2 * dp, 4);
+#endif
         vi lane;
         for (int i = 0; i < VL; i++) lane[i] = i;
         const int len = seq_lens[b];
@@ -202,13 +248,27 @@ void decode_attention(const scalar_t *q, int64_t q_stride, const scalar_t *k_cac
             vf s[G][KV];
             for (int g = 0; g < G; g++)
                 for (int j = 0; j < KV; j++) s[g][j] = (vf){0};
+#if PAIRED
+            for (int dp = 0; dp < D / 2; dp++) { /* dims 2dp, 2dp+1 of BS keys, in pairs */
+                for (int j = 0; j < KV; j++) {
+                    const vu k = vload_pairs(kb + ((int64_t)dp * BS + j * VL) * 2);
+                    for (int g = 0; g < G; g++) s[g][j] = dot_pairs(s[g][j], k, qpair[g][dp]);
+                }
+            }
+            for (int g = 0; g < G; g++)
+                for (int j = 0; j < KV; j++) s[g][j] *= scale;
+#else
             for (int d = 0; d < D; d++) { /* keys of dimension d, BS of them side by side */
                 for (int j = 0; j < KV; j++) {
                     const vf k = vload(kb + d * BS + j * VL);
                     for (int g = 0; g < G; g++) s[g][j] += qf[g][d] * k;
                 }
             }
+#endif
             float p[G][BS];
+#if PAIRED
+            uint32_t pp[G][BS / 2];
+#endif
             for (int g = 0; g < G; g++) {
                 float mx = m[g];
                 for (int j = 0; j < KV; j++) {
@@ -230,9 +290,28 @@ void decode_attention(const scalar_t *q, int64_t q_stride, const scalar_t *k_cac
                     const vf pj = vselect(valid, e, (vf){0});
                     sum += pj;
                     memcpy(&p[g][j * VL], &pj, sizeof pj);
+#if PAIRED /* the probabilities as bfloat16, tokens side by side: exactly the pairs (t, t+1) */
+                    const vh half = __builtin_convertvector((vu)vround(pj) >> 16, vh);
+                    memcpy(&pp[g][j * VL / 2], &half, sizeof half);
+#endif
                 }
                 l[g] += vsum(sum);
             }
+#if PAIRED
+            int t = 0;
+            for (; t + 1 < n; t += 2) { /* tokens t, t+1 of every dim, in pairs */
+                for (int j = 0; j < DV; j++) {
+                    const vu v = vload_pairs(vb + ((int64_t)(t / 2) * D + j * VL) * 2);
+                    for (int g = 0; g < G; g++) acc[g][j] = dot_pairs(acc[g][j], v, pp[g][t / 2]);
+                }
+            }
+            if (t < n) { /* an odd last token: its partner slot is unwritten, never multiplied */
+                for (int j = 0; j < DV; j++) {
+                    const vf v = pair_lo(vload_pairs(vb + ((int64_t)(t / 2) * D + j * VL) * 2));
+                    for (int g = 0; g < G; g++) acc[g][j] += p[g][t] * v;
+                }
+            }
+#else
             for (int t = 0; t < n; t++) { /* value rows */
                 vf v[DV];
                 for (int j = 0; j < DV; j++) v[j] = vload(vb + t * D + j * VL);
@@ -241,6 +320,7 @@ void decode_attention(const scalar_t *q, int64_t q_stride, const scalar_t *k_cac
                     for (int j = 0; j < DV; j++) acc[g][j] += pt * v[j];
                 }
             }
+#endif
         }
         scalar_t *ob = out + b * out_stride + (int64_t)h * G * D;
         for (int g = 0; g < G; g++) {
@@ -296,15 +376,27 @@ void rope_write_kv(scalar_t *qkv, int64_t qkv_stride, int ntok, int heads, int k
                     memcpy(&v, y + i, sizeof v);
                     vstore(x + i, v);
                 }
-            } else { /* key: dimension i of this token at [blk][head][i][off] */
-                scalar_t *kdst = k_cache + blk * blk_stride + (int64_t)(hh - heads) * head_stride + off;
-                for (int i = 0; i < D; i++) kdst[(int64_t)i * BS] = store(y[i]);
+            } else {
+                scalar_t *kdst = k_cache + blk * blk_stride + (int64_t)(hh - heads) * head_stride;
+#if PAIRED /* dims 2i, 2i+1 of this token at [blk][head][i][off][0..1] */
+                for (int i = 0; i < D / 2; i++) {
+                    kdst[((int64_t)i * BS + off) * 2] = store(y[2 * i]);
+                    kdst[((int64_t)i * BS + off) * 2 + 1] = store(y[2 * i + 1]);
+                }
+#else /* dimension i of this token at [blk][head][i][off] */
+                for (int i = 0; i < D; i++) kdst[(int64_t)i * BS + off] = store(y[i]);
+#endif
             }
         }
         const scalar_t *v = row + (int64_t)(heads + kv_heads) * D;
-        for (int hh = 0; hh < kv_heads; hh++)
-            memcpy(v_cache + blk * blk_stride + (int64_t)hh * head_stride + off * D, v + (int64_t)hh * D,
-                   sizeof(scalar_t) * D);
+        for (int hh = 0; hh < kv_heads; hh++) {
+            scalar_t *vdst = v_cache + blk * blk_stride + (int64_t)hh * head_stride;
+#if PAIRED /* token off of dim i at [blk][head][off/2][i][off%2] */
+            for (int i = 0; i < D; i++) vdst[((off / 2) * D + i) * 2 + off % 2] = v[(int64_t)hh * D + i];
+#else
+            memcpy(vdst + off * D, v + (int64_t)hh * D, sizeof(scalar_t) * D);
+#endif
+        }
     }
 }
 
@@ -320,7 +412,7 @@ void rope_write_kv(scalar_t *qkv, int64_t qkv_stride, int ntok, int heads, int k
  */
 void add_rms_norm(const scalar_t *x, scalar_t *residual, const scalar_t *weight, scalar_t *out, int ntok, int hidden,
                   float eps, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && ntok > 64)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && (int64_t)ntok * hidden >= 32768)
     for (int t = 0; t < ntok; t++) {
         const scalar_t *xr = x + (int64_t)t * hidden;
         scalar_t *rr = residual ? residual + (int64_t)t * hidden : 0;
@@ -360,7 +452,7 @@ void add_rms_norm(const scalar_t *x, scalar_t *residual, const scalar_t *weight,
  * out: [ntok, inter] contiguous.
  */
 void silu_and_mul(const scalar_t *gate_up, scalar_t *out, int ntok, int inter, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && ntok > 64)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && (int64_t)ntok * inter >= 16384)
     for (int t = 0; t < ntok; t++) {
         const scalar_t *g = gate_up + (int64_t)t * 2 * inter, *u = g + inter;
         scalar_t *o = out + (int64_t)t * inter;
