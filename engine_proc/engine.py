@@ -27,6 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import msgspec
 import torch
 import zmq
 
@@ -41,7 +42,8 @@ from engine_proc.threads import ThreadPlan, usable_cpus
 from shared import codec, config as cfg
 from shared import protocol as p
 from shared.protocol import BROADCAST_TOPIC
-from shared.transport import EngineInbound, EngineOutbound, Inbound, Outbound, ipc_path, topic_for
+from shared.transport import (AddressInUse, AddressLock, EngineInbound, EngineOutbound, Inbound, Outbound,
+                              topic_for)
 
 log = logging.getLogger("tickserve.engine")
 
@@ -91,9 +93,11 @@ def build_scheduler(config: cfg.EngineConfig, model, on_left_pending=None) -> Sc
     Raises ``NotImplementedError`` for a prefill mode that is not built yet.
     """
     max_len = min(config.max_model_len, getattr(model.config, "max_position_embeddings", config.max_model_len))
-    if config.kv_num_blocks == 0 and config.kv_memory_fraction > 0:
-        config = dataclasses.replace(config, kv_num_blocks=blocks_for_memory(
-            model, config.kv_block_size, config.kv_memory_fraction))
+    if config.kv_num_blocks == 0:  # enough for a full batch at full context, within the memory cap
+        blocks = config.resolved_num_blocks
+        if config.kv_memory_fraction > 0:
+            blocks = min(blocks, blocks_for_memory(model, config.kv_block_size, config.kv_memory_fraction))
+        config = dataclasses.replace(config, kv_num_blocks=blocks)
     prefix_caching = config.backend == cfg.BackendName.PAGED.value and config.prefix_caching
     pool = BlockPool(config.resolved_num_blocks, config.kv_block_size, enable_prefix_caching=prefix_caching)
     backend = make_backend(config, model, max_len, pool)
@@ -141,7 +145,7 @@ def make_backend(config: cfg.EngineConfig, model, max_model_len: int, pool: Bloc
     from engine_proc.backends.paged import PagedBackend
 
     threads = ThreadPlan(config.torch_threads or usable_cpus(), config.single_thread_below)
-    return PagedBackend(model, max_model_len, pool, threads=threads)
+    return PagedBackend(model, max_model_len, pool, kernels=config.kernels, threads=threads)
 
 
 class EngineServer:
@@ -154,8 +158,15 @@ class EngineServer:
         self.engine_id = uuid.uuid4().hex[:12]
         self.limits = scheduler.limits
         self.ctx = zmq.Context.instance()
-        self.inbound: Inbound = EngineInbound(self.ctx, config.resolved_input_addr)
-        self.outbound: Outbound = EngineOutbound(self.ctx, config.resolved_output_addr)
+        self._locks = [AddressLock(config.resolved_input_addr)]  # raises AddressInUse
+        try:
+            self._locks.append(AddressLock(config.resolved_output_addr))
+            self.inbound: Inbound = EngineInbound(self.ctx, config.resolved_input_addr)
+            self.outbound: Outbound = EngineOutbound(self.ctx, config.resolved_output_addr)
+        except BaseException:
+            for lock in self._locks:
+                lock.release()
+            raise
         self._tick_out_pull = self.ctx.socket(zmq.PULL)
         self._tick_out_pull.bind(TICK_OUT_ADDR + self.engine_id)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -168,7 +179,9 @@ class EngineServer:
         self._left_pending = 0  # tick thread
         self._live_ids: set[str] = set()  # I/O thread's view of unfinished request ids
         self._frontends: dict[str, float] = {}  # frontend id → last heard (monotonic)
+        self._disconnect_check: list[float] = []  # when to look for frontends that left (monotonic)
         self.bad_frames = 0
+        self.rejected: dict[str, int] = {}  # I/O thread: submits refused before the ack, by code
         self.stats_window = StatsWindow(config.stats_interval_s)  # fed and published by the tick thread
         self.fatal: BaseException | None = None
         scheduler._on_left_pending = self._count_left_pending
@@ -194,10 +207,8 @@ class EngineServer:
         self.inbound.close()
         self.outbound.close()
         self._tick_out_pull.close(0)
-        for addr in (self.inbound.addr, self.outbound.addr):
-            path = ipc_path(addr)
-            if path and os.path.exists(path):
-                os.unlink(path)
+        for lock in self._locks:  # this engine's socket files and locks, and no one else's
+            lock.release()
 
     def begin_drain(self) -> None:
         """Refuse new submits (SHUTTING_DOWN → HTTP 503); in-flight requests go on."""
@@ -217,10 +228,17 @@ class EngineServer:
 
     # ------------------------------------------------------------------ I/O thread
 
+    IO_SLICE_S = 0.005
+    """Longest the I/O thread works through inbound frames before it looks at its clock
+    again (heartbeats, reaping): input, however large, never delays a heartbeat."""
+
     def _io_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.inbound.sock, zmq.POLLIN)
         poller.register(self._tick_out_pull, zmq.POLLIN)
+        monitor = self._monitor_disconnects()
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
         interval = self.config.heartbeat_interval_s
         next_beat = 0.0
         try:
@@ -230,11 +248,17 @@ class EngineServer:
                     self.outbound.publish(BROADCAST_TOPIC, p.EngineHeartbeat(self.engine_id, time.time()))
                     self._reap_frontends(now)
                     next_beat = now + interval
-                events = dict(poller.poll(max(1, int((next_beat - now) * 1000))))
+                if self._disconnect_check and now >= self._disconnect_check[0]:
+                    self._reap_after_disconnect(self._disconnect_check.pop(0) - 3 * interval)
+                wake = min([next_beat] + self._disconnect_check[:1])
+                events = dict(poller.poll(max(1, int((wake - now) * 1000))))
                 if self._tick_out_pull in events:
                     self._forward_tick_frames()
+                if monitor is not None and monitor in events:
+                    self._on_monitor_event(monitor, interval)
                 if self.inbound.sock in events:
-                    for _ in range(256):
+                    deadline = time.monotonic() + self.IO_SLICE_S
+                    while time.monotonic() < deadline:
                         frame = self.inbound.recv_frame()
                         if frame is None:
                             break
@@ -246,6 +270,39 @@ class EngineServer:
         else:  # deliver what the tick thread said last (finishes, failures)
             self._tick_thread.join(timeout=2)
             self._forward_tick_frames()
+        finally:
+            if monitor is not None:
+                self.inbound.sock.disable_monitor()
+                monitor.close(0)
+
+    def _monitor_disconnects(self) -> zmq.Socket | None:
+        """A monitor of the inbound socket's disconnections: a frontend whose process
+        died closes its connection at once, long before its heartbeats are missed."""
+        try:
+            return self.inbound.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        except (zmq.ZMQError, AttributeError):
+            return None
+
+    def _on_monitor_event(self, monitor: zmq.Socket, interval: float) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            # Some peer went away; which one is not said. Every live frontend sends a
+            # heartbeat each interval: after three intervals, those not heard since the
+            # disconnection are the ones that left.
+            self._disconnect_check.append(time.monotonic() + 3 * interval)
+
+    def _reap_after_disconnect(self, since: float) -> None:
+        for fid, seen in list(self._frontends.items()):
+            if seen < since:
+                log.warning("frontend %s disconnected: aborting its requests", fid)
+                del self._frontends[fid]
+                self._inbox.put(_FrontendGone(fid))
+                self._wake.set()
 
     def _forward_tick_frames(self) -> None:
         while True:
@@ -257,7 +314,7 @@ class EngineServer:
 
     def _on_frame(self, frame: bytes) -> None:
         try:
-            msg = codec.decode(frame)
+            msg = codec.decode(frame, "engine")
         except codec.DecodeError as exc:
             self._drop(f"bad frame: {exc}")
             return
@@ -272,11 +329,8 @@ class EngineServer:
             log.warning("dropped a message (%d so far): %s", self.bad_frames, why)
 
     def _on_message(self, msg) -> None:
-        fid = getattr(msg, "frontend_id", None)
-        if not isinstance(fid, str) and fid is not None:
-            raise TypeError("frontend_id must be a string")
-        if fid is not None:
-            self._frontends[fid] = time.monotonic()
+        """A decoded, well-typed message (``codec.decode(..., "engine")`` checked every field)."""
+        self._frontends[msg.frontend_id] = time.monotonic()
         if isinstance(msg, p.Submit):
             self._on_submit(msg)
         elif isinstance(msg, p.Abort):
@@ -293,28 +347,22 @@ class EngineServer:
             self._frontends.pop(msg.frontend_id, None)
             self._inbox.put(_FrontendGone(msg.frontend_id))
             self._wake.set()
-        elif isinstance(msg, p.Heartbeat):
-            pass
-        else:
-            self._drop(f"a {type(msg).__name__} is not for the engine")
+        # p.Heartbeat: hearing from the frontend (above) is all it is for
 
     def _validate(self, msg: p.Submit) -> p.RejectReason | None:
+        """What the decoder cannot know: the vocabulary, combinations of parameters,
+        duplicates, the configuration's limits, draining, gate 1."""
         ids = msg.prompt_token_ids
-        if not isinstance(msg.request_id, str) or not msg.request_id:
-            return p.RejectReason(p.RejectCode.INVALID, "request_id must be a non-empty string")
-        if not ids:
-            return p.RejectReason(p.RejectCode.INVALID, "the prompt is empty")
         vocab = self.limits.vocab_size
-        if not all(type(t) is int and 0 <= t < vocab for t in ids):
-            return p.RejectReason(p.RejectCode.INVALID, f"prompt token ids must be integers in [0, {vocab})")
-        try:
-            problem = msg.params.validate()
-        except TypeError:
-            problem = "sampling parameters have the wrong types"
+        if max(ids) >= vocab:
+            return p.RejectReason(p.RejectCode.INVALID, f"prompt token ids must be integers in [0, {vocab})",
+                                  retryable=False)
+        problem = msg.params.validate()
         if problem:
-            return p.RejectReason(p.RejectCode.INVALID, problem)
+            return p.RejectReason(p.RejectCode.INVALID, problem, retryable=False)
         if msg.request_id in self._live_ids:
-            return p.RejectReason(p.RejectCode.INVALID, f"duplicate request id {msg.request_id!r}")
+            return p.RejectReason(p.RejectCode.INVALID, f"duplicate request id {msg.request_id!r}",
+                                  retryable=False)
         reason = never_fits(self.limits, len(ids), msg.params.max_tokens)
         if reason is not None:
             return reason
@@ -327,18 +375,27 @@ class EngineServer:
         return None
 
     def _on_submit(self, msg: p.Submit) -> None:
+        """Validate, then build the engine's request, then count it and ack: nothing is
+        counted or acked for a submit that cannot become a request."""
         topic = topic_for(msg.frontend_id)
         reason = self._validate(msg)
+        req = None
+        if reason is None:
+            try:
+                req = Request(request_id=msg.request_id, frontend_id=msg.frontend_id,
+                              prompt_token_ids=list(msg.prompt_token_ids), params=msg.params,
+                              session_id=msg.session_id or "", priority=msg.priority)
+            except Exception as exc:  # noqa: BLE001 - refuse, never half-accept
+                reason = p.RejectReason(p.RejectCode.INVALID, f"the request could not be built: {exc}",
+                                        retryable=False)
         if reason is not None:
             self.stats_window.on_reject(reason.code)
+            self.rejected[reason.code.value] = self.rejected.get(reason.code.value, 0) + 1
             self.outbound.publish(topic, p.Ack(msg.request_id, False, reason))
             return
         self._accepted += 1
         self._live_ids.add(msg.request_id)
         self.outbound.publish(topic, p.Ack(msg.request_id, True))
-        req = Request(request_id=msg.request_id, frontend_id=msg.frontend_id,
-                      prompt_token_ids=list(msg.prompt_token_ids), params=msg.params,
-                      session_id=msg.session_id or "", priority=int(msg.priority or 0))
         self._inbox.put(_Submit(req))
         self._wake.set()
 
@@ -386,9 +443,16 @@ class EngineServer:
             except queue.Empty:
                 return
             if isinstance(item, _Submit):
-                self.scheduler.add_request(item.request)
-                self.stats_window.on_arrival(item.request.request_id, item.request.session_id,
-                                             item.request.arrival_time)
+                req = item.request
+                try:
+                    self.scheduler.add_request(req)
+                except ValueError as exc:  # acked already: end it with an error, keep serving
+                    log.warning("request %s refused after its ack: %s", req.request_id, exc)
+                    self._send_outputs(out, [(req.frontend_id, p.RequestOutput(
+                        req.request_id, [], p.FinishReason.ERROR, error=str(exc)))])
+                    self._left_pending += 1
+                    continue
+                self.stats_window.on_arrival(req.request_id, req.session_id, req.arrival_time)
             elif isinstance(item, _Abort):
                 for rid in item.request_ids:
                     self.scheduler.abort_request(rid)
@@ -401,9 +465,14 @@ class EngineServer:
     def _stats_data(self, scheduler_stats: dict | None = None) -> dict:
         """``/scheduler/stats``: the scheduler's counters, the engine's, and the last
         published window (rates and latency percentiles, see :mod:`stats_window`)."""
-        return dict(scheduler_stats or self.scheduler.stats(), num_waiting=self.num_waiting,
-                    bad_frames=self.bad_frames, num_frontends=len(self._frontends), engine_id=self.engine_id,
-                    runtime=dataclasses.asdict(self.runtime), window=self.stats_window.latest)
+        sched = scheduler_stats or self.scheduler.stats()
+        rejected = dict(self.rejected)  # before the ack (gate 1, invalid, never fits, draining)
+        for code, n in sched.get("rejected_by_code", {}).items():  # at admission (hard-reject)
+            rejected[code] = rejected.get(code, 0) + n
+        return dict(sched, num_waiting=self.num_waiting, num_rejected=sum(rejected.values()),
+                    rejected_by_code=rejected, bad_frames=self.bad_frames, num_frontends=len(self._frontends),
+                    engine_id=self.engine_id, runtime=msgspec.structs.asdict(self.runtime),
+                    window=self.stats_window.latest)
 
     def _publish_stats(self, out: zmq.Socket) -> None:
         """Between ticks, at most every ``stats_interval_s``: one ``Stats`` (nonce 0) on the
@@ -445,10 +514,14 @@ def runtime_info(config: cfg.EngineConfig, scheduler: Scheduler, model_dir: str 
     return p.RuntimeInfo(
         model=str(model_dir or config.model), device=str(backend.device),
         dtype=str(dtype).removeprefix("torch.") if dtype is not None else "unknown",
-        torch_threads=torch.get_num_threads(), backend=config.backend,
+        torch_threads=backend.threads.max_threads if getattr(backend, "threads", None) else torch.get_num_threads(),
+        backend=config.backend,
         prefill_mode=scheduler.prefill_mode.value, policy=config.policy,
         transport="zmq " + "+".join(schemes),
-        model_fingerprint=model_fingerprint(model_dir) if model_dir else "")
+        model_fingerprint=model_fingerprint(model_dir) if model_dir else "",
+        kernels=getattr(getattr(backend, "kernels", None), "name", ""),
+        model_runner=getattr(backend, "model_runner", "transformers"),
+        single_thread_below=backend.threads.single_thread_below if getattr(backend, "threads", None) else 0)
 
 
 def configure_torch(config: cfg.EngineConfig) -> None:
@@ -456,18 +529,57 @@ def configure_torch(config: cfg.EngineConfig) -> None:
     torch.manual_seed(config.seed)
 
 
-def run_engine(config: cfg.EngineConfig) -> int:
-    """Load the model, bind the sockets and serve until SIGTERM/SIGINT. Returns the exit code."""
-    problems = config.problems()
+EXIT_CONFIG = 78
+"""Exit status of an engine that cannot start with its configuration (sysexits'
+EX_CONFIG): a missing model, a device this build lacks, a model the backend cannot run,
+an address another engine holds. The supervisor does not restart it."""
+
+
+class ConfigurationError(RuntimeError):
+    """The engine cannot start with this configuration (see :data:`EXIT_CONFIG`)."""
+
+
+def device_problems(config: cfg.EngineConfig) -> list[str]:
+    """What the configured device and dtype need that this machine or torch build lacks."""
+    out = []
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        out.append(f"device {config.device}: this torch build has no CUDA, or no GPU is visible "
+                   f"(torch {torch.__version__})")
+    if config.device == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        out.append("device mps: Apple's Metal backend is not available here")
+    return out
+
+
+def start_engine(config: cfg.EngineConfig) -> "EngineServer":
+    """Everything before serving: check the configuration, load the model, build the
+    scheduler, bind the sockets. Raises :class:`ConfigurationError` for anything a
+    restart would not fix."""
+    from engine_proc.kernels import KernelsUnavailable
+    from engine_proc.model_loader import ModelNotFound
+
+    problems = config.problems() + device_problems(config)
     if problems:
-        log.error("invalid engine configuration: %s", "; ".join(problems))
-        return 2
+        raise ConfigurationError("; ".join(problems))
+    try:
+        configure_torch(config)
+        model, model_dir = load_model(config)
+        scheduler = build_scheduler(config, model)
+        return EngineServer(config, scheduler, runtime_info(config, scheduler, str(model_dir)))
+    except (ModelNotFound, NotImplementedError, KernelsUnavailable, AddressInUse) as exc:
+        raise ConfigurationError(str(exc)) from None
+
+
+def run_engine(config: cfg.EngineConfig) -> int:
+    """Load the model, bind the sockets and serve until SIGTERM/SIGINT. Returns the exit
+    code: 0 after a clean stop, 1 after an error while serving, :data:`EXIT_CONFIG`
+    (logged in one line) when the configuration cannot work."""
     if not config.run_dir and not (config.input_addr and config.output_addr):
         config = cfg.build(type(config), vars(config) | {"run_dir": tempfile.mkdtemp(prefix="tickserve-")})
-    configure_torch(config)
-    model, model_dir = load_model(config)
-    scheduler = build_scheduler(config, model)
-    server = EngineServer(config, scheduler, runtime_info(config, scheduler, str(model_dir)))
+    try:
+        server = start_engine(config)
+    except ConfigurationError as exc:
+        log.error("engine cannot start: %s", exc)
+        return EXIT_CONFIG
     drain_deadline: list[float] = []
 
     def on_signal(signum, frame):
@@ -482,7 +594,7 @@ def run_engine(config: cfg.EngineConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
-    log.info("engine %s serving %s on %s (%s)", server.engine_id, model_dir,
+    log.info("engine %s serving %s on %s (%s)", server.engine_id, server.runtime.model,
              config.resolved_input_addr, server.runtime.summary())
     print(f"tickserve engine ready input={config.resolved_input_addr} "
           f"output={config.resolved_output_addr}", flush=True)

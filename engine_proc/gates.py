@@ -45,11 +45,12 @@ def never_fits(limits: Limits, prompt_len: int, max_tokens: int) -> RejectReason
         return RejectReason(
             RejectCode.KV_BUDGET,
             f"request needs {total} KV tokens (prompt + max_tokens); the active-KV budget is "
-            f"{limits.kv_budget_tokens}", total, limits.kv_budget_tokens)
+            f"{limits.kv_budget_tokens}, so it can never be admitted", total, limits.kv_budget_tokens,
+            retryable=False)
     blocks = limits.blocks_for(total)
     if blocks > limits.num_blocks:
         return RejectReason(
             RejectCode.BLOCK_POOL,
             f"request needs {blocks} KV blocks of {limits.block_size} tokens; the pool has "
-            f"{limits.num_blocks}", blocks, limits.num_blocks)
+            f"{limits.num_blocks}, so it can never be admitted", blocks, limits.num_blocks, retryable=False)
     return None

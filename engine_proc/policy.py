@@ -185,7 +185,14 @@ class FairPolicy(SchedulingPolicy):
     admission, every output token per step); prefix-cache hits are free here.
 
     ``peek_next`` / ``pick_next`` scan the sessions with waiting work: O(#sessions).
-    Counters are kept for every session ever seen.
+
+    Bounded state: a session with no work is lifted on return to ``max(own, floor)``,
+    where the floor is the minimum counter of the sessions with work (the last idle
+    session's counter when none has any), and the floor never decreases. So once an idle
+    session's counter is at or below the floor, forgetting it changes nothing — it is
+    forgotten then, never earlier (forgetting a well-served session's higher counter
+    would let it reset its debt by going idle). Sessions kept: those with work, plus
+    idle ones still above the floor.
     """
 
     name = PolicyName.FAIR
@@ -199,6 +206,7 @@ class FairPolicy(SchedulingPolicy):
         self._admitted: set[Request] = set()
         self._waiting = 0
         self._last_idle_counter = 0.0  # counter of the session whose work emptied last
+        self._idle: list[tuple[float, str]] = []  # heap of (counter, session) of idle sessions (lazy)
 
     def _has_work(self, session: str) -> bool:
         return session in self._queues or session in self._running
@@ -206,9 +214,7 @@ class FairPolicy(SchedulingPolicy):
     def on_request_arrived(self, req: Request) -> None:
         session = req.session_id
         if not self._has_work(session):
-            own = self._counters.get(session, 0.0)
-            busy = [self._counters[s] for s in self._queues.keys() | self._running.keys()]
-            self._counters[session] = max(own, min(busy) if busy else self._last_idle_counter)
+            self._counters[session] = max(self._counters.get(session, 0.0), self.floor())
         self._queues.setdefault(session, _WaitHeap()).push(req)
         self._waiting += 1
 
@@ -265,6 +271,30 @@ class FairPolicy(SchedulingPolicy):
                 del self._running[req.session_id]
         if not self._has_work(req.session_id) and req.session_id in self._counters:
             self._last_idle_counter = self._counters[req.session_id]
+            heapq.heappush(self._idle, (self._counters[req.session_id], req.session_id))
+        self._forget_served_sessions()
+
+    def floor(self) -> float:
+        """What an idle session is lifted to on return: the minimum counter of the sessions
+        with work, or the last idle session's counter when none has any."""
+        busy = [self._counters[s] for s in self._queues.keys() | self._running.keys()]
+        return min(busy) if busy else self._last_idle_counter
+
+    def _forget_served_sessions(self) -> None:
+        """Drop idle sessions whose counter is at or below the floor (see the class doc)."""
+        if len(self._idle) > 2 * len(self._counters) + 64:  # stale entries of sessions that came back
+            self._idle = [(c, s) for s, c in self._counters.items() if not self._has_work(s)]
+            heapq.heapify(self._idle)
+        floor = self.floor()
+        while self._idle and self._idle[0][0] <= floor:
+            counter, session = heapq.heappop(self._idle)
+            if not self._has_work(session) and self._counters.get(session) == counter:
+                del self._counters[session]
+
+    @property
+    def num_sessions(self) -> int:
+        """Sessions whose counter is kept (with work, or idle above the floor)."""
+        return len(self._counters)
 
     def __len__(self) -> int:
         return self._waiting
@@ -275,8 +305,16 @@ class FairPolicy(SchedulingPolicy):
         waiting.sort(key=lambda r: (-r.priority, self._counters[r.session_id], r.arrival_seq))
         return iter(waiting)
 
+    SNAPSHOT_SESSIONS = 32
+
     def snapshot(self) -> dict:
-        return {"policy": self.name.value, "counters": dict(self._counters)}
+        """The policy, the counters of the busiest sessions with work (highest first, at
+        most ``SNAPSHOT_SESSIONS``), how many sessions are kept in all, and the floor."""
+        busy = sorted(self._queues.keys() | self._running.keys(), key=lambda s: (-self._counters[s], s))
+        return {"policy": self.name.value,
+                "counters": {s: self._counters[s] for s in busy[:self.SNAPSHOT_SESSIONS]},
+                "num_sessions": len(self._counters), "num_sessions_with_work": len(busy),
+                "counter_floor": self.floor()}
 
     def check_invariants(self) -> None:
         super().check_invariants()

@@ -154,13 +154,19 @@ class Scheduler:
         self.num_finished = 0
         self.num_aborted = 0
         self.num_rejected = 0
+        self.rejected_by_code: dict[str, int] = {}
         self.num_ticks = 0
 
     # ------------------------------------------------------------------ entry points
 
     def add_request(self, req: Request) -> None:
-        """Put an accepted request into ``_pending``."""
-        if req.request_id in self._requests:
+        """Put an accepted request into ``_pending``. Raises ``ValueError`` for the id of a
+        request still in the engine (one that finished this tick and waits for its
+        eviction is evicted now: its id was already free to its client)."""
+        old = self._requests.get(req.request_id)
+        if old is not None and old.status.is_finished and old in self._active:
+            self._release(old)
+        elif old is not None:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         req.arrival_seq = self._arrival_seq
         self._arrival_seq += 1
@@ -251,6 +257,8 @@ class Scheduler:
             if decision.verdict is AdmitVerdict.HARD_REJECT:
                 req.error = decision.reason.message
                 self.num_rejected += 1
+                code = decision.reason.code.value
+                self.rejected_by_code[code] = self.rejected_by_code.get(code, 0) + 1
                 self._finish(req, RequestStatus.FINISHED_ERROR)
                 continue
             self._admit(req, decision.match)
@@ -574,6 +582,7 @@ class Scheduler:
             "num_finished": self.num_finished,
             "num_aborted": self.num_aborted,
             "num_rejected": self.num_rejected,
+            "rejected_by_code": dict(self.rejected_by_code),
             "num_ticks": self.num_ticks,
             **self.policy.snapshot(),
         }

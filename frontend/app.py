@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import json
 import logging
@@ -27,6 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -50,9 +50,10 @@ log = logging.getLogger("tickserve.frontend")
 VERSION = "0.1.0"
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+                413: "invalid_request_error",
                 429: "rate_limit_error", 503: "service_unavailable"}
-_PARAM_NAMES = {f.name for f in dataclasses.fields(p.SamplingParams)}
+_PARAM_NAMES = set(p.SamplingParams.__struct_fields__)
 
 
 class HTTPError(Exception):
@@ -75,8 +76,11 @@ def _unavailable(message: str, code: str = "engine_unavailable") -> HTTPError:
 
 
 def _reject_error(reason: p.RejectReason) -> HTTPError:
+    """The engine's refusal as HTTP: 400 for a client mistake, 429 for overload (with
+    ``Retry-After`` only when waiting can help: a request that can never fit has none),
+    503 while the engine drains."""
     status = reason.code.http_status
-    headers = {"Retry-After": "1"} if status in (429, 503) else {}
+    headers = {"Retry-After": "1"} if status in (429, 503) and reason.retryable else {}
     param = "max_tokens" if reason.code is p.RejectCode.CONTEXT_LENGTH else None
     return HTTPError(status, reason.message, param=param, code=reason.code.value, headers=headers)
 
@@ -151,22 +155,34 @@ class Frontend:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_large
-        chunks, size = [], 0
-        try:
+        chunks: list[bytes] = []
+
+        async def read() -> None:
+            size = 0
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
                     raise too_large
                 chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), self.config.body_timeout_s)
         except ClientDisconnect:
             raise ClientGone() from None
+        except asyncio.TimeoutError:
+            raise HTTPError(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s",
+                            code="request_timeout") from None
         return b"".join(chunks)
 
     async def _parse(self, request: Request, schema):
         raw = await self._read_body(request)
+        try:  # strictly: json.loads(bytes) would let encoded lone surrogates (ED A0 80) through
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise HTTPError(400, f"the request body is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None
         try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, huge integers, deep nesting
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:  # bad JSON, huge integers, deep nesting
             raise HTTPError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
         if not isinstance(data, dict):
             raise HTTPError(400, "the request body must be a JSON object")
@@ -217,7 +233,7 @@ class Frontend:
         self._check_ids(body.stop_token_ids or [], "stop_token_ids")
         params = body.sampling_params(max_tokens, logprobs, self.vocab_size)
         if prompt_logprobs is not None:
-            params = dataclasses.replace(params, prompt_logprobs=prompt_logprobs)
+            params = msgspec.structs.replace(params, prompt_logprobs=prompt_logprobs)
         problem = params.validate()
         if problem:
             name = problem.split(" ", 1)[0]
@@ -276,12 +292,15 @@ class Frontend:
         include_stop = bool(body.include_stop_str_in_output)
         # Fair/VTC accounting unit: explicit session_id, the X-Session-Id header, or OpenAI's `user`.
         session = body.session_id or request.headers.get("x-session-id") or body.user
+        if session is not None and len(session) > p.MAX_ID_CHARS:
+            raise HTTPError(400, f"a session id (X-Session-Id) is at most {p.MAX_ID_CHARS} characters",
+                            param="user")
         try:
             for pi, (prompt, params) in enumerate(plans):
                 for j in range(n):
                     params_j = params
                     if params.seed is not None and j:
-                        params_j = dataclasses.replace(params, seed=params.seed + j)
+                        params_j = msgspec.structs.replace(params, seed=params.seed + j)
                     rid = self.client.new_request_id()
                     stream = await self.client.submit(rid, prompt.token_ids, params_j,
                                                       session_id=session, priority=body.priority or 0)
@@ -374,7 +393,10 @@ class Frontend:
         finally:
             for t in tasks:
                 t.cancel()
-            self._abort([c for c in choices if c.finish_reason is None])
+            unfinished = [c for c in choices if c.finish_reason is None]
+            for c in unfinished:  # the client left (or an error ended the others): abort, and count it
+                c.timer.finished("abort")
+            self._abort(unfinished)
 
     def _usage(self, prompts: list[PromptInfo], choices: list[ChoiceState]) -> dict:
         """Prompt tokens once per prompt (not per sample); completion tokens summed."""
@@ -592,7 +614,7 @@ class Frontend:
 
     async def version(self, request: Request) -> Response:
         welcome = self.client.welcome
-        runtime = dataclasses.asdict(welcome.runtime) if welcome and welcome.runtime else None
+        runtime = msgspec.structs.asdict(welcome.runtime) if welcome and welcome.runtime else None
         return JSONResponse({"version": VERSION, "runtime": runtime,
                              "transport": self.client.transport_name})
 

@@ -144,6 +144,10 @@ class EngineClient:
             self._streams.pop(request_id, None)
             self.abort([request_id])
             raise EngineUnavailable(f"the engine did not acknowledge the request ({type(exc).__name__})") from None
+        except BaseException:  # could not even be encoded or sent, or the caller was cancelled
+            self._streams.pop(request_id, None)
+            self.abort([request_id])
+            raise
         finally:
             self._acks.pop(request_id, None)
         if not ack.accepted:

@@ -1,7 +1,9 @@
 """OpenAI-compatible request bodies, validated with pydantic.
 
 Explicit ``null`` means "not set" everywhere. Unknown fields are ignored (clients
-send vendor extensions). Ranges follow the OpenAI API; tickserve's extensions
+send vendor extensions). Types are strict, as OpenAI's schema is: no string for a
+boolean (``"stream": "yes"``), no boolean for an integer (``"max_tokens": true``), no
+string for a token id (``"prompt": ["1"]``); an integer is a valid number. Ranges follow the OpenAI API; tickserve's extensions
 (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
 ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``,
 ``return_tokens_as_token_ids``, ``priority``, ``session_id``) follow vLLM's names.
@@ -22,7 +24,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.protocol import SamplingParams
+from shared.protocol import MAX_ID_CHARS, MAX_LIST, SamplingParams
 
 DEFAULT_MAX_TOKENS_COMPLETIONS = 16  # OpenAI's default for /v1/completions
 # Below this a temperature means greedy (vLLM's _SAMPLING_EPS): logits / 1e-40 in float32
@@ -37,6 +39,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # what travels on the wire (msgpack)
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # the vocabulary bound is checked by the app
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+SessionId = Annotated[str, Field(max_length=MAX_ID_CHARS)]  # the engine's bound on a session id
+Priority = Annotated[int, Field(ge=-(2**31), lt=2**31)]  # the engine's bound on priority
 
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() accepts "²"
 
@@ -44,12 +48,12 @@ Problem = tuple[str, str]  # (param, message)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
     include_usage: bool | None = None
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -61,17 +65,18 @@ class _SamplingFields(BaseModel):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=2.0)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LIST)] | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LIST)] | None = None
     ignore_eos: bool | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    session_id: str | None = None
-    priority: Int64 | None = None
+    user: SessionId | None = None
+    session_id: SessionId | None = None
+    priority: Priority | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     return_tokens_as_token_ids: bool | None = None  # vLLM: logprob tokens as "token_id:<id>"
@@ -158,13 +163,13 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -205,7 +210,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
     model: str | None = None
     prompt: str | None = None
     messages: Messages | None = None
@@ -219,7 +224,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
     model: str | None = None
     tokens: list[TokenId]
 

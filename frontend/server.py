@@ -50,6 +50,7 @@ def run_frontend(config: cfg.FrontendConfig) -> int:
 
     from engine_proc.model_loader import ModelNotFound, model_display_name, model_fingerprint, resolve_model
     from frontend.app import create_app
+    from frontend.http_guard import ConnectionLimits, guarded_protocol
 
     if not (config.run_dir or (config.input_addr and config.output_addr)):
         logging.error("the frontend needs --run-dir or --input-addr/--output-addr of a running engine")
@@ -62,7 +63,9 @@ def run_frontend(config: cfg.FrontendConfig) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     name = config.served_model_name or model_display_name(config.model)
     app = create_app(config, tokenizer, name)
-    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port,
+    limits = ConnectionLimits(config.header_timeout_s, config.max_connections_per_client)
+    app.state.connection_limits = limits
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, http=guarded_protocol(limits),
                                            log_level=config.log_level.lower(), access_log=False,
                                            timeout_graceful_shutdown=5),
                             app.state.frontend, config.drain_timeout_s)

@@ -27,6 +27,7 @@ from shared import config as cfg
 log = logging.getLogger("tickserve.serve")
 
 SERVE_SHARED = ("model", "run_dir", "input_addr", "output_addr", "log_level")
+EXIT_CONFIG = 78  # engine_proc.engine.EXIT_CONFIG (not imported here: that would load torch)
 
 
 class Supervisor:
@@ -66,6 +67,11 @@ class Supervisor:
         while not self.stopping:
             time.sleep(0.1)
             if self.engine.poll() is not None and not self.stopping:
+                if self.engine.returncode == EXIT_CONFIG:  # a restart cannot help; it said why
+                    log.error("engine cannot start with this configuration (exit %d); shutting down",
+                              EXIT_CONFIG)
+                    code = 2
+                    break
                 if time.monotonic() - self.engine_started > 60:
                     self.backoff = 0.5
                 log.error("engine exited with %s; restarting in %.1fs", self.engine.returncode, self.backoff)
@@ -108,12 +114,25 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 def process_config(cls: type, prog: str, description: str, argv: list[str] | None):
-    """Config of one process from its flags and ``TICKSERVE_*`` environment; sets up logging."""
+    """Config of one process from its flags and ``TICKSERVE_*`` environment; sets up logging.
+    A configuration that can never work ends the process here: one line on stderr, exit 2."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     cfg.add_arguments(parser, cls)
-    config = cfg.build(cls, parser.parse_args(argv), os.environ)
+    args = parser.parse_args(argv)
+    try:
+        config = cfg.build(cls, args, os.environ)
+    except ValueError as exc:  # an environment variable that does not parse
+        _fail(prog, str(exc))
+    problems = config.problems()
+    if problems:
+        _fail(prog, "; ".join(problems))
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     return config
+
+
+def _fail(prog: str, message: str):
+    print(f"{prog}: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _die_with_parent() -> None:
@@ -142,12 +161,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine_proc.model_loader import ModelNotFound, resolve_model
 
     environ = dict(os.environ)
-    engine = cfg.build(cfg.EngineConfig, args, environ)
-    problems = engine.problems()
-    frontend_probe = cfg.build(cfg.FrontendConfig, args, environ)
-    port_issue = port_problem(frontend_probe.host, frontend_probe.port)
-    if port_issue:
-        problems.append(port_issue + " (is another server running? set --port or PORT)")
+    try:
+        engine = cfg.build(cfg.EngineConfig, args, environ)
+        frontend_probe = cfg.build(cfg.FrontendConfig, args, environ)
+    except ValueError as exc:
+        print(f"tickserve: {exc}", file=sys.stderr)
+        return 2
+    problems = engine.problems() + [p for p in frontend_probe.problems() if p not in engine.problems()]
+    if not problems:
+        from engine_proc.engine import device_problems
+
+        problems += device_problems(engine)
+        port_issue = port_problem(frontend_probe.host, frontend_probe.port)
+        if port_issue:
+            problems.append(port_issue + " (is another server running? set --port or PORT)")
     if problems:
         print("tickserve: " + "; ".join(problems), file=sys.stderr)
         return 2
@@ -221,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.model and args.model != args.model_positional:
             parser.error(f"two models given: {args.model_positional!r} and --model {args.model!r}")
         args.model = args.model_positional
-    logging.basicConfig(level=(args.log_level or "info").upper(), format=LOG_FORMAT)
-    return cmd_serve(args)
+    level = (args.log_level or os.environ.get(cfg.env_name("log_level")) or "info").lower()
+    logging.basicConfig(level=(level if level in cfg.LOG_LEVELS else "info").upper(), format=LOG_FORMAT)
+    return cmd_serve(args)  # reports a bad log level with the other problems
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ class EngineConfig:
     input_addr: str = _opt("", "engine PULL address (submit/abort); empty → ipc://<run_dir>/input.sock")
     output_addr: str = _opt("", "engine PUB address (acks/tokens); empty → ipc://<run_dir>/output.sock")
     max_queue_size: int = _opt(256, "gate 1: requests allowed to wait before HTTP 429 (card: MAX_QUEUE_SIZE)")
-    max_batch_size: int = _opt(32, "rows running at once, prefilling plus decoding (card: MAX_BATCH_SIZE)")
+    max_batch_size: int = _opt(128, "rows running at once, prefilling plus decoding (card: MAX_BATCH_SIZE)")
     prefill_chunk_size: int = _opt(256, "tokens of one prompt per tick in chunked mode (card: PREFILL_CHUNK_SIZE)")
     prefill_mode: str = _opt("", "monolithic | chunked | mixed_batch | disaggregated; empty → chunked if prefill_chunk_size > 0")
     max_num_batched_tokens: int = _opt(0, "mixed_batch: tokens in one tick's forward pass, one per decode row first, prompt chunks get the rest; 0 → max_batch_size + prefill_chunk_size (vLLM: max_num_batched_tokens)")
@@ -61,9 +61,10 @@ class EngineConfig:
     fair_output_weight: float = _opt(2.0, "VTC weight w_q of an output token (Sheng et al., OSDI'24)")
     kv_budget_tokens: int = _opt(0, "gate 2: sum of prompt_len + max_tokens over running rows; 0 → kv_block_size · kv_num_blocks (card: active-KV budget)")
     kv_block_size: int = _opt(16, "tokens per KV cache block")
-    kv_num_blocks: int = _opt(0, "blocks in the pool; 0 → from kv_memory_fraction, or enough for max_batch_size full-context rows (at most 8192)")
-    kv_memory_fraction: float = _opt(0.0, "size the pool to this fraction of free accelerator (or host) memory when kv_num_blocks is 0; 0 → off")
+    kv_num_blocks: int = _opt(0, "blocks in the pool; 0 → enough for max_batch_size full-context rows, capped by kv_memory_fraction")
+    kv_memory_fraction: float = _opt(0.25, "when kv_num_blocks is 0, the pool takes at most this fraction of the accelerator's (or host's) free memory at start; 0 → no cap")
     backend: str = _opt("paged", "paged (KV in the block pool, prefix caching) | hf (DynamicCache, left-padded)")
+    kernels: str = _opt("auto", "paged backend's non-matmul kernels: auto (C compiled for this CPU at first start, else torch ops) | c | torch")
     prefix_caching: bool = _opt(True, "reuse cached KV blocks of shared prompt prefixes (paged backend only)")
     max_model_len: int = _opt(2048, "context window in tokens (prompt + output); capped by the model's own")
     torch_threads: int = _opt(0, "torch intra-op threads of large forward passes; 0 → every CPU this process may use")
@@ -73,7 +74,7 @@ class EngineConfig:
     frontend_timeout_s: float = _opt(5.0, "a frontend silent this long has its requests aborted, seconds")
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, finish in-flight requests for at most this long, seconds")
     seed: int = _opt(0, "global torch seed (unseeded sampling)")
-    log_level: str = _opt("info", "debug | info | warning")
+    log_level: str = _opt("info", "debug | info | warning | error")
 
     @property
     def resolved_prefill_mode(self) -> PrefillMode:
@@ -92,10 +93,13 @@ class EngineConfig:
 
     @property
     def resolved_num_blocks(self) -> int:
+        """``kv_num_blocks``, or blocks for ``max_batch_size`` rows at ``max_model_len``
+        (the engine caps that by ``kv_memory_fraction`` once it knows the model's block size
+        in bytes, and builds its scheduler from the capped value)."""
         if self.kv_num_blocks > 0:
             return self.kv_num_blocks
         per_row = -(-self.max_model_len // self.kv_block_size)
-        return min(8192, per_row * self.max_batch_size)
+        return per_row * self.max_batch_size
 
     @property
     def resolved_kv_budget_tokens(self) -> int:
@@ -127,15 +131,36 @@ class EngineConfig:
                                "(a full decode batch must leave room for prefill)")
                 if self.backend == BackendName.HF.value:
                     out.append("prefill_mode=mixed_batch needs backend paged")
+            if mode is PrefillMode.DISAGGREGATED:
+                out.append("prefill_mode=disaggregated is not built (monolithic, chunked and mixed_batch are)")
         if self.policy not in {p.value for p in PolicyName}:
             out.append(f"unknown policy {self.policy!r}")
         if self.backend not in {b.value for b in BackendName}:
             out.append(f"unknown backend {self.backend!r}")
+        if self.kernels not in ("auto", "c", "torch"):
+            out.append(f"unknown kernels {self.kernels!r} (auto, c, torch)")
+        if self.device not in DEVICES and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
+            out.append(f"unknown device {self.device!r} ({', '.join(DEVICES)}, or cuda:N)")
+        if self.dtype not in DTYPE_NAMES:
+            out.append(f"unknown dtype {self.dtype!r} ({', '.join(DTYPE_NAMES)})")
         for name in ("max_queue_size", "max_batch_size", "kv_block_size", "max_model_len"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be at least 1")
-        if self.stats_interval_s < 0:
-            out.append("stats_interval_s must be >= 0")
+        for name in ("prefill_chunk_size", "max_num_batched_tokens", "kv_budget_tokens", "kv_num_blocks",
+                     "torch_threads", "single_thread_below", "seed"):
+            if getattr(self, name) < 0:
+                out.append(f"{name} must be >= 0")
+        if not 0.0 <= self.kv_memory_fraction < 1.0:
+            out.append("kv_memory_fraction must be in [0, 1)")
+        for name in ("fair_prompt_weight", "fair_output_weight", "heartbeat_interval_s"):
+            if not getattr(self, name) > 0:
+                out.append(f"{name} must be > 0")
+        for name in ("stats_interval_s", "drain_timeout_s"):
+            if not getattr(self, name) >= 0:
+                out.append(f"{name} must be >= 0")
+        if not self.frontend_timeout_s > 2 * self.heartbeat_interval_s:
+            out.append("frontend_timeout_s must exceed two heartbeat intervals")
+        out += _address_problems(self) + _log_level_problems(self.log_level)
         return out
 
 
@@ -152,10 +177,13 @@ class FrontendConfig:
     api_key: str = _opt("", "if set, require 'Authorization: Bearer <key>'")
     allowed_origins: str = _opt("", "CORS: comma-separated origins a browser app may call from, or *; empty → CORS off")
     max_body_bytes: int = _opt(4 * 1024 * 1024, "request body size limit, bytes")
+    header_timeout_s: float = _opt(10.0, "a connection that has not sent a complete request head this long after its first byte is closed, seconds")
+    body_timeout_s: float = _opt(30.0, "a request body not received within this long is answered 408, seconds")
+    max_connections_per_client: int = _opt(512, "open connections allowed from one client address; more are answered 429 and closed")
     engine_timeout_s: float = _opt(1.0, "no engine heartbeat for this long → engine is down, seconds")
     ack_timeout_s: float = _opt(10.0, "wait for the engine's submit ack at most this long, seconds")
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for in-flight requests, seconds")
-    log_level: str = _opt("info", "debug | info | warning")
+    log_level: str = _opt("info", "debug | info | warning | error")
 
     @property
     def resolved_input_addr(self) -> str:
@@ -165,14 +193,63 @@ class FrontendConfig:
     def resolved_output_addr(self) -> str:
         return self.output_addr or f"ipc://{os.path.join(self.run_dir, 'output.sock')}"
 
+    def problems(self) -> list[str]:
+        """Settings that can never work; the frontend refuses to start with any."""
+        out = []
+        if not 1 <= self.port <= 65535:
+            out.append(f"port {self.port} is not in 1..65535")
+        if not self.host:
+            out.append("host must not be empty")
+        for name in ("max_body_bytes", "max_connections_per_client"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} must be at least 1")
+        for name in ("header_timeout_s", "body_timeout_s", "engine_timeout_s", "ack_timeout_s"):
+            if not getattr(self, name) > 0:
+                out.append(f"{name} must be > 0")
+        if not self.drain_timeout_s >= 0:
+            out.append("drain_timeout_s must be >= 0")
+        return out + _address_problems(self) + _log_level_problems(self.log_level)
+
+
+DEVICES = ("auto", "cuda", "mps", "cpu")
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _address_problems(config) -> list[str]:
+    out = []
+    for name in ("input_addr", "output_addr"):
+        addr = getattr(config, name)
+        if addr and not addr.startswith(("ipc://", "tcp://")):
+            out.append(f"{name} {addr!r} is not an ipc:// or tcp:// address")
+    return out
+
+
+def _log_level_problems(level: str) -> list[str]:
+    return [] if level.lower() in LOG_LEVELS else [f"unknown log_level {level!r} ({', '.join(LOG_LEVELS)})"]
+
 
 def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def boolean(raw: str) -> bool:
+    """A boolean setting: true/false, yes/no, on/off, 1/0 (any case); anything else is
+    an error, never a silent false. Raises ``ValueError``."""
+    word = str(raw).strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ValueError(f"not a boolean: {raw!r} (true/false, yes/no, on/off, 1/0)")
+
+
 def _parse(tp: Any, raw: str) -> Any:
     if tp is bool:
-        return raw.strip().lower() in ("1", "true", "yes", "on")
+        return boolean(raw)
     return tp(raw)
 
 
@@ -188,8 +265,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
             continue
         help_ = f"{f.metadata.get('help', '')} [env {env_name(f.name)}, default {f.default!r}]"
         tp = hints[f.name]
-        parse = (lambda raw: _parse(bool, raw)) if tp is bool else tp  # bool("False") is True
-        parser.add_argument(flag, dest=f.name, type=parse, default=None, help=help_)
+        parser.add_argument(flag, dest=f.name, type=boolean if tp is bool else tp, default=None, help=help_)
 
 
 def build(cls: type, args: Mapping[str, Any] | argparse.Namespace | None = None,

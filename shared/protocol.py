@@ -1,8 +1,11 @@
 """Typed messages exchanged between frontends (and zmq client scripts) and the engine.
 
-Messages are grouped by the process that *receives* them. Each is a plain frozen
-dataclass; :mod:`shared.codec` turns them into msgpack frames through an explicit
-tag table. Token ids always travel as ids, never as text.
+Messages are grouped by the process that *receives* them. Each is a frozen
+``msgspec.Struct`` encoded as a msgpack array ``[tag, field_1, field_2, ...]`` (nested
+structs without the tag); :mod:`shared.codec` holds the tag table and decodes every
+frame into exactly one of these types, checking every field's type and range as it
+decodes (the ``Annotated`` constraints below). Token ids always travel as ids, never as
+text.
 
 Flow of one request::
 
@@ -20,9 +23,22 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from msgspec import Meta, Struct, field
 
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is argmax
+
+# Field types with the bounds every decoded frame is checked against (a frame that breaks
+# one is not a message: it is counted and dropped, see shared.codec).
+MAX_ID_CHARS = 256
+MAX_PROMPT_TOKENS = 1 << 20  # far above any context window; the engine checks its own limit
+MAX_LIST = 4096  # stop token ids, logit_bias entries, request ids in one Abort, EOS ids
+Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
+TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
+Count = Annotated[int, Meta(ge=0, lt=1 << 62)]
+Int64 = int  # msgpack integers are int64 (or uint64) by construction
+Priority = Annotated[int, Meta(ge=-(1 << 31), lt=1 << 31)]
 
 
 class FinishReason(str, enum.Enum):
@@ -53,34 +69,35 @@ class RejectCode(str, enum.Enum):
         return 429
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """Per-request sampling parameters, applied per row inside one batched step.
 
-    ``None`` always means "not set". Ranges are validated by :meth:`validate`.
+    ``None`` always means "not set". Types and ranges are checked when a frame is
+    decoded (the annotations); :meth:`validate` repeats the ranges for parameters built
+    in-process and checks the combinations.
     """
 
-    max_tokens: int = 16  # tokens to generate, at most
-    temperature: float = 1.0  # 0 → greedy (argmax)
-    top_p: float = 1.0  # nucleus mass in (0, 1]
-    top_k: int | None = None  # keep the k most likely tokens; None → all
-    min_p: float = 0.0  # drop tokens with p < min_p · p_max
-    seed: int | None = None  # per-request generator; output independent of the batch
-    presence_penalty: float = 0.0  # OpenAI: subtract once per token id seen in the output
-    frequency_penalty: float = 0.0  # OpenAI: subtract per occurrence in the output
-    repetition_penalty: float = 1.0  # CTRL (Keskar et al. 2019, §4.1): prompt + output ids
-    logit_bias: dict[int, float] | None = None  # token id → bias added to its logit
-    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: Count = 16  # tokens to generate, at most
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0  # 0 → greedy (argmax)
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0  # nucleus mass in (0, 1]
+    top_k: Annotated[int, Meta(ge=1, lt=1 << 31)] | None = None  # keep the k most likely; None → all
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0  # drop tokens with p < min_p · p_max
+    seed: Int64 | None = None  # per-request generator; output independent of the batch
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # OpenAI: once per id seen in the output
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # OpenAI: per occurrence in the output
+    repetition_penalty: Annotated[float, Meta(ge=1e-6, le=2.0)] = 1.0  # CTRL (Keskar et al. 2019, §4.1)
+    logit_bias: Annotated[dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]],
+                          Meta(max_length=MAX_LIST)] | None = None  # token id → bias added to its logit
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_LIST)] = field(default_factory=list)
     ignore_eos: bool = False
-    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens
-    logprobs: int | None = None  # None → no logprobs; k → sampled token + top-k
+    min_tokens: Count = 0  # EOS and stop token ids are masked until this many tokens
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # None → none; k → sampled + top-k
     # None → none; k → each prompt token's logprob + top-k, computed in the prefill pass
     # (such rows skip the prefix cache: a cached block has no logits). Allows max_tokens 0.
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
 
     def validate(self) -> str | None:
-        """Return a human-readable problem with these parameters, or ``None`` if valid
-        (types first: values from the wire are not trusted)."""
+        """Return a human-readable problem with these parameters, or ``None`` if valid."""
         problem = self._type_problem()
         if problem:
             return problem
@@ -100,8 +117,8 @@ class SamplingParams:
             return "frequency_penalty must be in [-2, 2]"
         if not 1e-6 <= self.repetition_penalty <= 2.0:
             return "repetition_penalty must be in [1e-6, 2]"
-        if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
-            return "logit_bias values must be finite numbers"
+        if self.logit_bias and not all(math.isfinite(v) and -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            return "logit_bias values must be numbers in [-100, 100]"
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             return "min_tokens must be in [0, max_tokens]"
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
@@ -143,78 +160,70 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
-@dataclass(frozen=True)
-class RejectReason:
+class RejectReason(Struct, frozen=True, array_like=True):
     """Structured reason attached to a rejected submit: which gate, what was needed,
     what exists (both in the gate's unit: tokens, blocks or requests)."""
 
     code: RejectCode
-    message: str
-    needed: int = 0
-    available: int = 0
+    message: Annotated[str, Meta(max_length=4096)]
+    needed: Int64 = 0
+    available: Int64 = 0
+    retryable: bool = True  # False: this request can never be served here (no Retry-After)
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
+class TokenLogprob(Struct, frozen=True, array_like=True):
     """Log-probability of the sampled token and of the top alternatives (natural log)."""
 
-    token_id: int
+    token_id: TokenId
     logprob: float
-    top_token_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
+    top_token_ids: Annotated[list[TokenId], Meta(max_length=64)] = field(default_factory=list)
+    top_logprobs: Annotated[list[float], Meta(max_length=64)] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- received by the engine
 
 
-@dataclass(frozen=True)
-class Hello:
+class Hello(Struct, frozen=True, array_like=True, tag=1):
     """Ready handshake: sent repeatedly until the engine's Welcome arrives on the topic."""
 
-    frontend_id: str
+    frontend_id: Id
 
 
-@dataclass(frozen=True)
-class Submit:
-    request_id: str
-    frontend_id: str
-    prompt_token_ids: list[int]
+class Submit(Struct, frozen=True, array_like=True, tag=2):
+    request_id: Id
+    frontend_id: Id
+    prompt_token_ids: Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
     params: SamplingParams
-    session_id: str | None = None  # Fair/VTC accounting unit (OpenAI ``user``)
-    priority: int = 0  # higher drains first
+    session_id: Annotated[str, Meta(max_length=MAX_ID_CHARS)] | None = None  # Fair/VTC unit (OpenAI ``user``)
+    priority: Priority = 0  # higher drains first
 
 
-@dataclass(frozen=True)
-class Abort:
-    frontend_id: str
-    request_ids: list[str]
+class Abort(Struct, frozen=True, array_like=True, tag=3):
+    frontend_id: Id
+    request_ids: Annotated[list[Id], Meta(max_length=MAX_LIST)]
 
 
-@dataclass(frozen=True)
-class Heartbeat:
+class Heartbeat(Struct, frozen=True, array_like=True, tag=4):
     """Frontend liveness; the engine aborts a silent frontend's requests."""
 
-    frontend_id: str
+    frontend_id: Id
 
 
-@dataclass(frozen=True)
-class Goodbye:
+class Goodbye(Struct, frozen=True, array_like=True, tag=5):
     """A frontend is leaving: abort everything it submitted."""
 
-    frontend_id: str
+    frontend_id: Id
 
 
-@dataclass(frozen=True)
-class StatsRequest:
-    frontend_id: str
-    nonce: int
+class StatsRequest(Struct, frozen=True, array_like=True, tag=6):
+    frontend_id: Id
+    nonce: Count
 
 
 # ---------------------------------------------------------------- received by frontends
 
 
-@dataclass(frozen=True)
-class RuntimeInfo:
+class RuntimeInfo(Struct, frozen=True, array_like=True):
     """What an engine runs: the one record that its start-up line, the frontend's
     ``/version`` and ``/scheduler/stats`` all read (see :meth:`summary`)."""
 
@@ -227,70 +236,70 @@ class RuntimeInfo:
     policy: str  # "fcfs" | "fair"
     transport: str = ""  # how frontends reach the engine, e.g. "zmq ipc", "zmq tcp"
     model_fingerprint: str = ""  # hex digest of config + tokenizer files; frontends compare theirs
+    kernels: str = ""  # paged backend: "c" (compiled for this CPU) | "torch"; "" for hf
+    model_runner: str = ""  # "tickserve llama" | "transformers"
+    single_thread_below: int = 0  # passes of fewer tokens run on one thread (0: never)
 
     def summary(self) -> str:
         """One line for logs: ``device cpu, dtype float32, 1 thread, backend paged, ...``."""
         threads = f"{self.torch_threads} thread{'s' if self.torch_threads != 1 else ''}"
-        return (f"device {self.device}, dtype {self.dtype}, {threads}, backend {self.backend}, "
+        if self.single_thread_below and self.torch_threads > 1:
+            threads += f" (1 below {self.single_thread_below} tokens a pass)"
+        backend = self.backend + (f" ({self.model_runner}, {self.kernels} kernels)" if self.kernels else "")
+        return (f"device {self.device}, dtype {self.dtype}, {threads}, backend {backend}, "
                 f"prefill {self.prefill_mode}, policy {self.policy}"
                 + (f", transport {self.transport}" if self.transport else ""))
 
 
-@dataclass(frozen=True)
-class Welcome:
-    engine_id: str
-    max_model_len: int  # tokens
-    eos_token_ids: list[int]
-    max_queue_size: int  # requests
-    heartbeat_interval_s: float
+class Welcome(Struct, frozen=True, array_like=True, tag=20):
+    engine_id: Id
+    max_model_len: Count  # tokens
+    eos_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_LIST)]
+    max_queue_size: Count  # requests
+    heartbeat_interval_s: Annotated[float, Meta(gt=0.0)]
     runtime: RuntimeInfo | None = None  # what the engine runs
 
 
-@dataclass(frozen=True)
-class Ack:
-    request_id: str
+class Ack(Struct, frozen=True, array_like=True, tag=21):
+    request_id: Id
     accepted: bool
     reason: RejectReason | None = None
 
 
-@dataclass(frozen=True)
-class RequestOutput:
+class RequestOutput(Struct, frozen=True, array_like=True):
     """New tokens of one request in one tick; ``finish_reason`` set on its last output."""
 
-    request_id: str
-    token_ids: list[int]
+    request_id: Id
+    token_ids: list[TokenId]
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    error: str | None = None
+    num_prompt_tokens: Count = 0
+    num_cached_tokens: Count = 0  # prompt tokens served from the prefix cache
+    error: Annotated[str, Meta(max_length=4096)] | None = None
     # With SamplingParams.prompt_logprobs: prompt tokens 1 .. prompt_len-1 (the first has
     # no context), sent once, with the request's first output.
     prompt_logprobs: list[TokenLogprob] | None = None
 
 
-@dataclass(frozen=True)
-class StepOutput:
+class StepOutput(Struct, frozen=True, array_like=True, tag=22):
     """Everything one tick produced for one frontend."""
 
     outputs: list[RequestOutput]
 
 
-@dataclass(frozen=True)
-class Stats:
+class Stats(Struct, frozen=True, array_like=True, tag=23):
     """The engine's stats: the answer to ``StatsRequest(nonce)`` on the asker's topic, or,
     with ``nonce`` 0, the periodic publication on the broadcast topic (every
     ``stats_interval_s``) that feeds ``/scheduler/stats/stream``."""
 
-    nonce: int
-    data: dict
+    nonce: Count
+    data: dict[str, Any]
 
 
-@dataclass(frozen=True)
-class EngineHeartbeat:
+class EngineHeartbeat(Struct, frozen=True, array_like=True, tag=24):
     """Published on the broadcast topic every ``heartbeat_interval_s`` seconds."""
 
-    engine_id: str
+    engine_id: Id
     time: float
 
 

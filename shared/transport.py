@@ -64,6 +64,47 @@ def bind_address(addr: str) -> str:
     return addr
 
 
+class AddressInUse(RuntimeError):
+    """Another engine already serves this address (or run directory)."""
+
+
+class AddressLock:
+    """An exclusive ``flock(2)`` on ``<socket path>.lock`` beside an ``ipc://`` socket,
+    held for the engine's lifetime: a second engine on the same run directory fails at
+    start instead of taking over the socket files (ZeroMQ would unlink and rebind them,
+    cutting the first engine off). The kernel drops the lock when the holder dies, even
+    by ``kill -9``. ``tcp://`` needs none: a second bind fails by itself."""
+
+    def __init__(self, addr: str):
+        self.addr = addr
+        self.path = ipc_path(addr) + ".lock" if ipc_path(addr) else None
+        self._fd: int | None = None
+        if self.path is None:
+            return
+        import fcntl
+
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise AddressInUse(f"another engine is serving {addr} (its lock {self.path} is held)") from None
+        self._fd = fd
+
+    def release(self) -> None:
+        """Remove the socket file and the lock file, then drop the lock (idempotent)."""
+        if self._fd is None:
+            return
+        for path in (ipc_path(self.addr), self.path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        os.close(self._fd)
+        self._fd = None
+
+
 def _bind(sock: zmq.Socket, addr: str) -> None:
     path = ipc_path(addr)
     if path:
@@ -72,7 +113,12 @@ def _bind(sock: zmq.Socket, addr: str) -> None:
     host = addr[len("tcp://"):].rsplit(":", 1)[0] if addr.startswith("tcp://") else ""
     if host and host not in ("127.0.0.1", "localhost", "[::1]"):
         log.warning("binding %s: reachable from other hosts (the engine has no authentication)", addr)
-    sock.bind(addr)
+    try:
+        sock.bind(addr)
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EADDRINUSE:
+            raise AddressInUse(f"{addr} is already in use (another engine?)") from None
+        raise
 
 
 class Inbound(Protocol):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import msgspec
 import torch
 
 from engine_proc.engine import build_scheduler
@@ -119,4 +120,4 @@ def assert_matches_reference(model, req_prompt: list[int], output: list[int],
 
 
 def replace_params(req: Request, **changes) -> Request:
-    return dataclasses.replace(req, params=dataclasses.replace(req.params, **changes))
+    return dataclasses.replace(req, params=msgspec.structs.replace(req.params, **changes))

@@ -148,8 +148,9 @@ def test_fair_returning_session_lifted_but_keeps_higher_counter():
     p.on_request_arrived(b2)
     assert counters(p)["b"] == 400.0  # lifted from 10 to a's counter
     # a returning session whose own counter is higher keeps it
-    p.on_request_finished(b2)
+    p.on_request_admitted(p.pick_next())
     p.on_tokens_processed(b2, 1000, 0)
+    p.on_request_finished(b2)
     p.on_request_arrived(req("b"))
     assert counters(p)["b"] == 1400.0
 
@@ -164,9 +165,10 @@ def test_fair_newcomer_on_idle_engine_lifts_to_last_idle_session():
     p.on_tokens_processed(a1, 50, 0)
     p.on_request_finished(a1)
     p.on_request_arrived(req("b"))
-    assert counters(p) == {"a": 50.0, "b": 50.0}
+    assert counters(p)["b"] == 50.0
     a2 = req("a")
     p.on_request_arrived(a2)  # a returns while b waits: a and b are level, arrival order decides
+    assert counters(p) == {"a": 50.0, "b": 50.0}
     assert p.peek_next().session_id == "b"
 
 
@@ -198,7 +200,8 @@ def test_fair_anonymous_session_and_weights():
     a = req("")
     p.on_request_arrived(a)
     p.on_tokens_processed(a, prompt_tokens=4, output_tokens=2)
-    assert p.snapshot() == {"policy": "fair", "counters": {"": 8.0}}
+    assert p.snapshot() == {"policy": "fair", "counters": {"": 8.0}, "num_sessions": 1,
+                            "num_sessions_with_work": 1, "counter_floor": 8.0}
 
 
 def test_fair_remove_and_empty():
@@ -286,3 +289,67 @@ def test_random_interleavings_never_lose_or_duplicate(name, ops):
         taken.append(r)
     assert len(p) == 0 and p.peek_next() is None
     assert len(taken) == len(set(taken)) == len(arrived)
+
+
+class _KeepAll(FairPolicy):
+    """VTC that never forgets a session: the reference for the bounded one."""
+
+    def _forget_served_sessions(self) -> None:
+        pass
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["arrive", "pick", "finish", "charge"]), st.integers(0, 40),
+                          st.integers(1, 300)), min_size=1, max_size=300))
+def test_fair_forgetting_served_sessions_changes_no_decision(ops):
+    """Finding 7: counters were kept for every session ever seen. A session is now
+    forgotten once idle at or below the floor; the pick order is exactly that of VTC
+    keeping every counter, over random arrivals, picks, charges and finishes."""
+    bounded, reference = FairPolicy(), _KeepAll()
+    live: dict[int, list[tuple[Request, Request]]] = {}  # running pairs (bounded's, reference's)
+    waiting: list[tuple[Request, Request]] = []
+    for op, session, amount in ops:
+        sid = f"s{session}"
+        if op == "arrive":
+            a, b = req(sid, name=f"a{next(_seq)}"), None
+            b = Request(request_id=a.request_id, frontend_id="f", prompt_token_ids=[1], params=SamplingParams(),
+                        session_id=sid, arrival_seq=a.arrival_seq)
+            bounded.on_request_arrived(a)
+            reference.on_request_arrived(b)
+            waiting.append((a, b))
+        elif op == "pick" and len(bounded):
+            a, b = bounded.pick_next(), reference.pick_next()
+            assert a.request_id == b.request_id
+            bounded.on_request_admitted(a)
+            reference.on_request_admitted(b)
+            live.setdefault(session, []).append((a, b))
+        elif op == "charge" and live.get(session):
+            a, b = live[session][-1]
+            bounded.on_tokens_processed(a, amount, 1)
+            reference.on_tokens_processed(b, amount, 1)
+        elif op == "finish" and live.get(session):
+            a, b = live[session].pop()
+            bounded.on_request_finished(a)
+            reference.on_request_finished(b)
+        bounded.check_invariants()
+    assert drain(bounded) == drain(reference)
+    assert bounded.num_sessions <= reference.num_sessions
+
+
+def test_fair_state_stays_bounded_over_five_thousand_sessions():
+    policy = FairPolicy()
+    busy = req("busy")
+    policy.on_request_arrived(busy)
+    policy.pick_next()
+    policy.on_request_admitted(busy)
+    for i in range(5000):  # each visitor comes once, is served a little, leaves
+        r = req(f"visitor-{i}")
+        policy.on_request_arrived(r)
+        policy.pick_next()
+        policy.on_request_admitted(r)
+        policy.on_tokens_processed(r, 3, 1)
+        policy.on_request_finished(r)
+        policy.on_tokens_processed(busy, 10, 5)  # the busy session is served more than any visitor
+    assert policy.num_sessions < 10
+    snap = policy.snapshot()
+    assert len(snap["counters"]) <= FairPolicy.SNAPSHOT_SESSIONS and snap["num_sessions"] == policy.num_sessions

@@ -179,4 +179,6 @@ def test_request_that_can_never_fit_is_hard_rejected_with_reason(small_stack):
                                          {"prompt": "big", "max_tokens": 600, "stream": True})
     assert status == 429, payload
     assert payload["error"]["code"] == "kv_budget" and "512" in payload["error"]["message"]
+    # waiting cannot help: it says so, and no Retry-After invites a client to try again
+    assert "never" in payload["error"]["message"] and "retry-after" not in {k.lower() for k in headers}
     assert _baseline(base)
