@@ -402,3 +402,51 @@ def test_a_second_engine_on_a_run_directory_is_refused_and_the_first_keeps_servi
     finally:
         group.close()
         shutil.rmtree(run, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- overload
+
+
+def test_a_thousand_streams_at_once_get_only_200s_and_json_429s_and_drain_to_baseline(tmp_path, tiny_model_dir):
+    """1,000 streaming requests at once against a queue of 64: every answer is a
+    complete stream or an OpenAI-shaped 429 before any SSE byte; nothing hangs; the
+    engine is back at baseline afterwards."""
+    import asyncio
+    import json
+
+    group = ProcessGroup(tmp_path)
+    run = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))
+    try:
+        group.engine(tiny_model_dir, run, max_queue_size=64, max_batch_size=32)
+        port = free_port()
+        group.frontend(tiny_model_dir, run, port, max_connections_per_client=2000)
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base)
+
+        async def one(client, i):
+            body = {"prompt": f"overload {i}", "max_tokens": 8, "ignore_eos": True, "stream": True}
+            async with client.stream("POST", f"{base}/v1/completions", json=body) as resp:
+                text = (await resp.aread()).decode()
+                return resp.status_code, resp.headers.get("content-type", ""), text
+
+        async def storm():
+            limits = httpx.Limits(max_connections=1000, max_keepalive_connections=0)
+            async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits, trust_env=False) as client:
+                return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(1000))), 240)
+
+        results = asyncio.run(storm())
+        codes = [status for status, _, _ in results]
+        assert set(codes) <= {200, 429}, sorted(set(codes))
+        assert codes.count(200) >= 64 and codes.count(429) > 0
+        for status, ctype, text in results:
+            if status == 429:
+                assert json.loads(text)["error"]["code"] == "queue_full"
+            else:
+                assert ctype.startswith("text/event-stream") and text.rstrip().endswith("data: [DONE]")
+                assert '"error"' not in text
+        wait_for(lambda: _baseline(stats(base)), 30, what="baseline after the storm")
+        assert stats(base)["rejected_by_code"]["queue_full"] == codes.count(429)
+        assert all(proc.alive() for proc in group.procs)
+    finally:
+        group.close()
+        shutil.rmtree(run, ignore_errors=True)

@@ -226,3 +226,37 @@ def test_runner_on_c_kernels_matches_transformers(tiny_llama, mode):
         toks = tokens_of(outs[req.request_id])
         assert len(toks) == req.params.max_tokens
         assert_matches_reference(tiny_llama, req.prompt_token_ids, toks, sched.backend.logits[req.request_id])
+
+
+@needs_c
+def test_transformers_path_on_c_kernels_matches_the_runner():
+    """Models the runner does not take run transformers' forward with the paged attention
+    function over the same C decode kernel. In float32 both paths give the same logits;
+    in bfloat16 (pairs layout) both stay as close to float32 as each other."""
+    from engine_proc.backends.base import PrefillChunk
+    from engine_proc.backends.paged import PagedBackend
+    from engine_proc.block_pool import BlockPool
+    from tests.conftest import make_tiny_llama
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 23, 40)]
+
+    def run(dtype, runner):
+        model = make_tiny_llama().to(dtype)
+        pool = BlockPool(40, 16)
+        backend = PagedBackend(model, 256, pool, runner=None if runner else False)
+        assert (backend.runner is not None) == runner and backend.kernels.name == "c"
+        rows = [f"r{i}" for i in range(len(prompts))]
+        for r, prompt in zip(rows, prompts):
+            pool.allocate(r, [], len(prompt) + 8)
+        out = [torch.stack(backend.prefill_chunks([PrefillChunk(r, pr, 0, True) for r, pr in zip(rows, prompts)]))]
+        for r in rows:
+            backend.promote(r)
+        for step in range(6):
+            out.append(backend.decode_step_batched(rows, [7 + step] * 3, [len(pr) + step for pr in prompts]))
+        return torch.cat(out)
+
+    truth = run(torch.float32, True)
+    assert (run(torch.float32, False) - truth).abs().max().item() < 1e-4 * truth.abs().max().item()
+    err = {runner: (run(torch.bfloat16, runner) - truth).abs().mean().item() for runner in (True, False)}
+    assert err[True] <= 1.5 * err[False] + 1e-3, err

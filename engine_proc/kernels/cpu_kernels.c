@@ -71,6 +71,9 @@ typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 #define DV (D / VL)  /* vectors per head dimension */
 #define KV (BS / VL) /* vectors per block of keys */
 #define PAIRED SCALAR_BF16
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 2 /* how far ahead decode attention asks for the next KV block */
+#endif
 #if PAIRED && defined(__AVX512BF16__) && VL == 16
 #include <immintrin.h>
 #define DPBF16 1
@@ -233,12 +236,19 @@ void decode_attention(const scalar_t *q, int64_t q_stride, const scalar_t *k_cac
         for (int i = 0; i < VL; i++) lane[i] = i;
         const int len = seq_lens[b];
         const int32_t *table = block_tables + b * table_stride;
+        for (int ahead = 0; ahead < PREFETCH_BLOCKS && ahead * BS < len; ahead++) { /* the first blocks */
+            const int64_t at = (int64_t)table[ahead] * blk_stride + (int64_t)h * head_stride;
+            for (int64_t off = 0; off < (int64_t)sizeof(scalar_t) * head_stride; off += 64) {
+                __builtin_prefetch((const char *)(k_cache + at) + off);
+                __builtin_prefetch((const char *)(v_cache + at) + off);
+            }
+        }
         for (int start = 0; start < len; start += BS) {
             const int n = len - start < BS ? len - start : BS;
             const int64_t base = (int64_t)table[start / BS] * blk_stride + (int64_t)h * head_stride;
             const scalar_t *kb = k_cache + base, *vb = v_cache + base;
-            if (start + BS < len) { /* the next block is elsewhere in memory: fetch it while this one computes */
-                const int64_t next = (int64_t)table[start / BS + 1] * blk_stride + (int64_t)h * head_stride;
+            if (start + PREFETCH_BLOCKS * BS < len) { /* blocks lie anywhere in memory: ask for one a few ahead */
+                const int64_t next = (int64_t)table[start / BS + PREFETCH_BLOCKS] * blk_stride + (int64_t)h * head_stride;
                 const char *nk = (const char *)(k_cache + next), *nv = (const char *)(v_cache + next);
                 for (int64_t off = 0; off < (int64_t)sizeof(scalar_t) * head_stride; off += 64) {
                     __builtin_prefetch(nk + off);

@@ -1,0 +1,134 @@
+"""Where a decode step's time goes: one step of the paged backend at several batch
+sizes, through tickserve's Llama runner and through transformers' forward (the path
+every model took before), timed and profiled with ``torch.profiler``.
+
+For each batch size B: B rows are prefilled with ``--context`` tokens each, then
+decode steps are timed (minimum of ``--repeats`` runs of ``--steps`` steps: the floor
+of a noisy machine) and one more run is profiled. The C kernels are ctypes calls the
+profiler cannot see by itself; here each is wrapped in a ``record_function`` of its
+name for the profiled run only. Reports per mode: ms per step, tokens/s, the ratio
+against transformers' forward in the same run, and the profile's top entries by self
+CPU time (matmuls, kernels, the rest). Prints one JSON document.
+
+Usage:
+    python tools/bench_step.py                                  # batch 1 and 64, bfloat16
+    python tools/bench_step.py --batch 1 16 64 --dtype float32 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _bench_common as bc  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="", help="model directory or .gguf; empty → the embedded SmolLM2")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads; 0 → every usable CPU")
+    ap.add_argument("--context", type=int, default=200, help="tokens of KV per row when decoding starts")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--top", type=int, default=12, help="profile rows to report")
+    ap.add_argument("--out", help="also write the JSON summary here")
+    return ap.parse_args(argv)
+
+
+def _profiled_kernels(kernels):
+    """Wrap the kernels' methods in record_function (profiled run only)."""
+    import torch
+
+    originals = {}
+    for name in ("decode_attention", "rope_write_kv", "add_rms_norm", "silu_and_mul", "argmax"):
+        fn = getattr(kernels, name)
+        originals[name] = fn
+
+        def wrapped(*a, _fn=fn, _name=name, **kw):
+            with torch.profiler.record_function(f"tickserve::{_name}"):
+                return _fn(*a, **kw)
+        setattr(kernels, name, wrapped)
+    return originals
+
+
+def run_mode(model, batch: int, args, runner: bool) -> dict:
+    import torch
+
+    from engine_proc.backends.base import PrefillChunk
+    from engine_proc.backends.paged import PagedBackend
+    from engine_proc.block_pool import BlockPool
+
+    pool = BlockPool(batch * (-(-(args.context + 4 * args.steps * (args.repeats + 2)) // 16) + 1), 16)
+    backend = PagedBackend(model, 4096, pool, runner=None if runner else False)
+    rows = [f"r{i}" for i in range(batch)]
+    for r in rows:
+        pool.allocate(r, [], args.context + 4 * args.steps * (args.repeats + 2))
+    prompt = list(range(100, 100 + args.context))
+    for i in range(0, batch, 8):
+        backend.prefill_chunks([PrefillChunk(r, prompt, 0, True) for r in rows[i:i + 8]])
+    for r in rows:
+        backend.promote(r)
+    pos = [args.context]
+
+    def step():
+        backend.decode_step_batched(rows, [5] * batch, [pos[0]] * batch)
+        pos[0] += 1
+
+    step()
+    best = float("inf")
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        best = min(best, (time.perf_counter() - t0) / args.steps)
+    originals = _profiled_kernels(backend.kernels) if backend.runner is not None else {}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            step()
+    for name, fn in originals.items():
+        setattr(backend.kernels, name, fn)
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    top = [{"op": e.key, "ms_per_step": round(e.self_cpu_time_total / 1e3 / args.steps, 3),
+            "share": round(e.self_cpu_time_total / total, 3), "calls_per_step": e.count // args.steps}
+           for e in events[:args.top]]
+    return {"runner": backend.model_runner, "kernels": backend.kernels.name, "ms_per_step": round(best * 1e3, 2),
+            "tokens_per_s": round(batch / best, 1), "profile_top": top}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from engine_proc.backends.base import pick_device, pick_dtype
+    from engine_proc.model_loader import resolve_model
+    from engine_proc.threads import usable_cpus
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads or usable_cpus())
+    dtype = pick_dtype(args.dtype, pick_device("cpu"))
+    model_dir = str(resolve_model(args.model))
+    results = []
+    for batch in args.batch:
+        row = {"batch": batch}
+        for runner in (False, True):
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+            row["tickserve" if runner else "transformers"] = run_mode(model, batch, args, runner)
+        row["speedup_vs_transformers"] = round(row["transformers"]["ms_per_step"] / row["tickserve"]["ms_per_step"], 2)
+        bc.log(f"B={batch}: transformers {row['transformers']['ms_per_step']} ms, "
+               f"tickserve {row['tickserve']['ms_per_step']} ms ({row['speedup_vs_transformers']}x)")
+        results.append(row)
+    bc.emit({"benchmark": "decode_step_profile", "model": model_dir, "dtype": str(dtype).removeprefix("torch."),
+             "context": args.context, "env": {**bc.torch_info(), **bc.machine_info("end")}, "results": results},
+            args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    bc.run_main(main)
