@@ -42,8 +42,8 @@ from engine_proc.threads import ThreadPlan, usable_cpus
 from shared import codec, config as cfg
 from shared import protocol as p
 from shared.protocol import BROADCAST_TOPIC
-from shared.transport import (AddressInUse, AddressLock, EngineInbound, EngineOutbound, Inbound, Outbound,
-                              topic_for)
+from shared.transport import (AddressInUse, AddressLock, EngineInbound, EngineOutbound, Inbound,
+                              RoutedOutbound, topic_for)
 
 log = logging.getLogger("tickserve.engine")
 
@@ -162,7 +162,8 @@ class EngineServer:
         try:
             self._locks.append(AddressLock(config.resolved_output_addr))
             self.inbound: Inbound = EngineInbound(self.ctx, config.resolved_input_addr)
-            self.outbound: Outbound = EngineOutbound(self.ctx, config.resolved_output_addr)
+            self.outbound = RoutedOutbound(EngineOutbound(self.ctx, config.resolved_output_addr))
+            self.shm = self._shm_frontends(config)
         except BaseException:
             for lock in self._locks:
                 lock.release()
@@ -180,6 +181,7 @@ class EngineServer:
         self._live_ids: set[str] = set()  # I/O thread's view of unfinished request ids
         self._frontends: dict[str, float] = {}  # frontend id → last heard (monotonic)
         self._disconnect_check: list[float] = []  # when to look for frontends that left (monotonic)
+        self._empty_step = codec.encode(p.StepOutput([]))
         self.bad_frames = 0
         self.rejected: dict[str, int] = {}  # I/O thread: submits refused before the ack, by code
         self.stats_window = StatsWindow(config.stats_interval_s)  # fed and published by the tick thread
@@ -188,6 +190,19 @@ class EngineServer:
         self._tick_thread = threading.Thread(target=self._tick_loop, name="engine-tick", daemon=True)
         self._threads = [threading.Thread(target=self._io_loop, name="engine-io", daemon=True),
                          self._tick_thread]
+
+    def _shm_frontends(self, config: cfg.EngineConfig):
+        """The shared-memory listener in the run directory (``transport`` auto), or None."""
+        if config.transport == "zmq" or not config.run_dir:
+            return None
+        from engine_proc.shm_frontends import ShmFrontends
+        from shared import shm
+
+        why_not = shm.available()
+        if why_not:
+            log.warning("shared-memory transport unavailable (%s): frontends use ZeroMQ", why_not)
+            return None
+        return ShmFrontends(config.run_dir, int(self.engine_id, 16), self.outbound, config.shm_ring_bytes)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -204,6 +219,8 @@ class EngineServer:
             t.join(timeout)
 
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
         self.inbound.close()
         self.outbound.close()
         self._tick_out_pull.close(0)
@@ -239,6 +256,8 @@ class EngineServer:
         monitor = self._monitor_disconnects()
         if monitor is not None:
             poller.register(monitor, zmq.POLLIN)
+        if self.shm is not None:
+            self.shm.register(poller)
         interval = self.config.heartbeat_interval_s
         next_beat = 0.0
         try:
@@ -246,6 +265,7 @@ class EngineServer:
                 now = time.monotonic()
                 if now >= next_beat:
                     self.outbound.publish(BROADCAST_TOPIC, p.EngineHeartbeat(self.engine_id, time.time()))
+                    self._sync_topics()
                     self._reap_frontends(now)
                     next_beat = now + interval
                 if self._disconnect_check and now >= self._disconnect_check[0]:
@@ -263,6 +283,8 @@ class EngineServer:
                         if frame is None:
                             break
                         self._on_frame(frame)
+                if self.shm is not None and events:
+                    self.shm.handle(events, time.monotonic() + self.IO_SLICE_S, self._on_frame, self._frontend_gone)
         except Exception as exc:  # the engine cannot serve without its I/O thread
             log.exception("I/O thread failed")
             self.fatal = exc
@@ -274,6 +296,14 @@ class EngineServer:
             if monitor is not None:
                 self.inbound.sock.disable_monitor()
                 monitor.close(0)
+
+    def _sync_topics(self) -> None:
+        """An empty StepOutput on every frontend's own topic, each heartbeat: its sequence
+        number shows a frontend whose last frames were dropped (a full ring, a PUB queue at
+        its high-water mark) the gap, even when those frames were the last its requests
+        would ever get."""
+        for fid in list(self._frontends):
+            self.outbound.publish_frame(topic_for(fid), self._empty_step)
 
     def _monitor_disconnects(self) -> zmq.Socket | None:
         """A monitor of the inbound socket's disconnections: a frontend whose process
@@ -296,13 +326,17 @@ class EngineServer:
             # disconnection are the ones that left.
             self._disconnect_check.append(time.monotonic() + 3 * interval)
 
+    def _frontend_gone(self, frontend_id: str) -> None:
+        """A frontend left (its connection closed): abort everything it submitted."""
+        self._frontends.pop(frontend_id, None)
+        self._inbox.put(_FrontendGone(frontend_id))
+        self._wake.set()
+
     def _reap_after_disconnect(self, since: float) -> None:
         for fid, seen in list(self._frontends.items()):
-            if seen < since:
+            if seen < since and (self.shm is None or fid not in self.shm.peers):
                 log.warning("frontend %s disconnected: aborting its requests", fid)
-                del self._frontends[fid]
-                self._inbox.put(_FrontendGone(fid))
-                self._wake.set()
+                self._frontend_gone(fid)
 
     def _forward_tick_frames(self) -> None:
         while True:
@@ -312,11 +346,16 @@ class EngineServer:
                 return
             self.outbound.publish_frame(topic, payload)
 
-    def _on_frame(self, frame: bytes) -> None:
+    def _on_frame(self, frame: bytes, carrier_frontend: str | None = None) -> None:
+        """One inbound frame; ``carrier_frontend``: the frontend whose shared-memory ring it
+        came from (it may speak only for itself)."""
         try:
             msg = codec.decode(frame, "engine")
         except codec.DecodeError as exc:
             self._drop(f"bad frame: {exc}")
+            return
+        if carrier_frontend is not None and msg.frontend_id != carrier_frontend:
+            self._drop(f"frontend {carrier_frontend} sent a message for {msg.frontend_id!r}")
             return
         try:
             self._on_message(msg)
@@ -469,8 +508,12 @@ class EngineServer:
         rejected = dict(self.rejected)  # before the ack (gate 1, invalid, never fits, draining)
         for code, n in sched.get("rejected_by_code", {}).items():  # at admission (hard-reject)
             rejected[code] = rejected.get(code, 0) + n
+        carriers = {fid: {"carrier": "zmq"} for fid in list(self._frontends)}
+        if self.shm is not None:
+            carriers.update(self.shm.stats())
         return dict(sched, num_waiting=self.num_waiting, num_rejected=sum(rejected.values()),
                     rejected_by_code=rejected, bad_frames=self.bad_frames, num_frontends=len(self._frontends),
+                    frontends=carriers,
                     engine_id=self.engine_id, runtime=msgspec.structs.asdict(self.runtime),
                     window=self.stats_window.latest)
 
@@ -517,7 +560,7 @@ def runtime_info(config: cfg.EngineConfig, scheduler: Scheduler, model_dir: str 
         torch_threads=backend.threads.max_threads if getattr(backend, "threads", None) else torch.get_num_threads(),
         backend=config.backend,
         prefill_mode=scheduler.prefill_mode.value, policy=config.policy,
-        transport="zmq " + "+".join(schemes),
+        transport=("shm+" if config.transport != "zmq" and config.run_dir else "") + "zmq " + "+".join(schemes),
         model_fingerprint=model_fingerprint(model_dir) if model_dir else "",
         kernels=getattr(getattr(backend, "kernels", None), "name", ""),
         model_runner=getattr(backend, "model_runner", "transformers"),

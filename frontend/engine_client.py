@@ -27,6 +27,7 @@ import zmq
 from shared import protocol as p
 from shared.config import FrontendConfig
 from shared.protocol import BROADCAST_TOPIC
+from shared import shm
 from shared.transport import Client, ClientChannel, SequenceGap, topic_for
 
 log = logging.getLogger("tickserve.frontend")
@@ -68,8 +69,7 @@ class EngineClient:
         self.frontend_id = config.frontend_id or f"fe-{uuid.uuid4().hex[:12]}"
         self.topic = topic_for(self.frontend_id)
         self.ctx = ctx or zmq.Context.instance()
-        self.channel: Client = ClientChannel(self.ctx, config.resolved_input_addr, config.resolved_output_addr,
-                                     self.topic, BROADCAST_TOPIC)
+        self.channel: Client = open_channel(config, self.frontend_id, self.topic, self.ctx)
         self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._acks: dict[str, asyncio.Future] = {}
@@ -102,8 +102,8 @@ class EngineClient:
 
     @property
     def transport_name(self) -> str:
-        """The carrier this frontend reaches the engine by (``zmq``)."""
-        return "zmq"
+        """The carrier this frontend reaches the engine by: ``shm`` or ``zmq``."""
+        return self.channel.carrier
 
     @property
     def num_in_flight(self) -> int:
@@ -140,7 +140,7 @@ class EngineClient:
         try:
             self._send(p.Submit(request_id, self.frontend_id, prompt_token_ids, params, session_id, priority))
             ack: p.Ack = await asyncio.wait_for(ack_future, self.config.ack_timeout_s)
-        except (asyncio.TimeoutError, zmq.ZMQError) as exc:
+        except (asyncio.TimeoutError, zmq.ZMQError, shm.RingFull, shm.PeerGone) as exc:
             self._streams.pop(request_id, None)
             self.abort([request_id])
             raise EngineUnavailable(f"the engine did not acknowledge the request ({type(exc).__name__})") from None
@@ -173,7 +173,7 @@ class EngineClient:
         try:
             self._send(p.StatsRequest(self.frontend_id, nonce))
             return await asyncio.wait_for(fut, timeout)
-        except (asyncio.TimeoutError, zmq.ZMQError):
+        except (asyncio.TimeoutError, zmq.ZMQError, shm.RingFull, shm.PeerGone):
             raise EngineUnavailable("the engine did not answer the stats request") from None
         finally:
             self._stats_waiters.pop(nonce, None)
@@ -189,14 +189,24 @@ class EngineClient:
         next_beat = 0.0
         interval = 0.25
         next_wait_log = time.monotonic() + 5.0
+        next_connect = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
             if not self._up.is_set() and now >= next_wait_log:
-                log.warning("waiting for an engine at %s (PUB %s)", self.config.resolved_input_addr,
-                            self.config.resolved_output_addr)
+                log.warning("waiting for an engine at %s", self._where())
                 next_wait_log = now + 10.0
             elif self._up.is_set():
                 next_wait_log = now + 5.0
+            if not self.channel.connected:  # shared memory: (re)connect to the run directory's socket
+                if now >= next_connect:
+                    next_connect = now + 0.1
+                    with self._send_lock:
+                        connected = self.channel.connect()
+                    if connected:
+                        log.info("connected to the engine's shared-memory socket %s", self._where())
+                if not self.channel.connected:
+                    time.sleep(0.02)
+                    continue
             try:
                 if not self._up.is_set() and now >= next_hello:
                     self._send(p.Hello(self.frontend_id), timeout_ms=0)
@@ -204,7 +214,7 @@ class EngineClient:
                 elif self._up.is_set() and now >= next_beat:
                     self._send(p.Heartbeat(self.frontend_id), timeout_ms=0)
                     next_beat = now + interval
-            except zmq.ZMQError:
+            except (zmq.ZMQError, shm.RingFull, shm.PeerGone):
                 pass  # engine not reachable yet; keep trying
             if self._up.is_set() and now - self._last_heartbeat > self.config.engine_timeout_s:
                 self._engine_down("no heartbeat from the engine")
@@ -217,12 +227,23 @@ class EngineClient:
                     if gap.topic == self.topic:
                         self._call(self._fail_all, f"lost messages from the engine ({gap})")
                     continue
+                except shm.PeerGone as exc:  # the engine's end closed: it died or stopped, now
+                    with self._send_lock:
+                        self.channel.disconnect()
+                    if self._up.is_set():
+                        self._engine_down(f"the engine closed its connection ({exc})")
+                    break
                 except Exception as exc:  # malformed frame: count and drop
                     log.warning("dropped a bad frame from the engine: %s", exc)
                     continue
                 if received is None:
                     break
                 self._on_message(received.msg)
+
+    def _where(self) -> str:
+        if self.channel.carrier == "shm":
+            return shm.socket_path(self.config.run_dir) + " (shared memory)"
+        return f"{self.config.resolved_input_addr} (PUB {self.config.resolved_output_addr})"
 
     def _on_message(self, msg) -> None:
         """Receiver thread: liveness here; everything touching requests on the loop."""
@@ -301,3 +322,21 @@ class EngineClient:
                 fut.set_result(p.Ack(rid, False, p.RejectReason(p.RejectCode.SHUTTING_DOWN, error)))
         if streams:
             self.abort(list(streams))
+
+
+def open_channel(config: FrontendConfig, frontend_id: str, topic: bytes, ctx: zmq.Context) -> Client:
+    """The carrier to the engine: shared memory when the engine is reached through its run
+    directory on this host (``transport`` auto or shm) and this host supports it, ZeroMQ
+    otherwise (``tcp://`` addresses, ``transport`` zmq). Raises ``RuntimeError`` for
+    ``transport shm`` where shared memory cannot work."""
+    on_host = bool(config.run_dir) and not (config.input_addr or config.output_addr)
+    if config.transport in ("auto", "shm") and on_host:
+        why_not = shm.available()
+        if why_not is None:
+            return shm.ShmChannel(config.run_dir, frontend_id, topic, BROADCAST_TOPIC)
+        if config.transport == "shm":
+            raise RuntimeError(f"transport shm: {why_not}")
+        log.warning("shared memory unavailable (%s): using ZeroMQ", why_not)
+    elif config.transport == "shm":
+        raise RuntimeError("transport shm needs the engine's run directory (--run-dir), not tcp:// addresses")
+    return ClientChannel(ctx, config.resolved_input_addr, config.resolved_output_addr, topic, BROADCAST_TOPIC)

@@ -49,6 +49,8 @@ class EngineConfig:
     device: str = _opt("auto", "auto | cuda | mps | cpu")
     dtype: str = _opt("auto", "auto (bfloat16 on CUDA and on CPUs with native bfloat16: AVX-512 BF16, AMX, Arm bf16; float32 elsewhere) | float32 | bfloat16 | float16")
     run_dir: str = _opt("", "directory for ipc:// socket files; empty → a fresh directory under /tmp")
+    transport: str = _opt("auto", "auto | shm (shared-memory rings for frontends that reach the engine through its run directory, ZeroMQ for the rest) | zmq (ZeroMQ only)")
+    shm_ring_bytes: int = _opt(4 << 20, "bytes of each shared-memory frontend's engine → frontend ring, a power of two (the other direction gets a quarter)")
     input_addr: str = _opt("", "engine PULL address (submit/abort); empty → ipc://<run_dir>/input.sock")
     output_addr: str = _opt("", "engine PUB address (acks/tokens); empty → ipc://<run_dir>/output.sock")
     max_queue_size: int = _opt(256, "gate 1: requests allowed to wait before HTTP 429 (card: MAX_QUEUE_SIZE)")
@@ -139,6 +141,10 @@ class EngineConfig:
             out.append(f"unknown backend {self.backend!r}")
         if self.kernels not in ("auto", "c", "torch"):
             out.append(f"unknown kernels {self.kernels!r} (auto, c, torch)")
+        if self.transport not in ("auto", "shm", "zmq"):
+            out.append(f"unknown transport {self.transport!r} (auto, shm, zmq)")
+        if self.shm_ring_bytes < 1 << 14 or self.shm_ring_bytes & (self.shm_ring_bytes - 1):
+            out.append("shm_ring_bytes must be a power of two of at least 16384")
         if self.device not in DEVICES and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
             out.append(f"unknown device {self.device!r} ({', '.join(DEVICES)}, or cuda:N)")
         if self.dtype not in DTYPE_NAMES:
@@ -170,6 +176,7 @@ class FrontendConfig:
     host: str = _opt("127.0.0.1", "HTTP bind address")
     port: int = _opt(8000, "HTTP port")
     run_dir: str = _opt("", "engine run directory (ipc:// sockets)")
+    transport: str = _opt("auto", "auto (shared memory when the engine is reached through its run directory, else ZeroMQ) | shm | zmq")
     input_addr: str = _opt("", "engine PULL address; empty → ipc://<run_dir>/input.sock")
     output_addr: str = _opt("", "engine PUB address; empty → ipc://<run_dir>/output.sock")
     frontend_id: str = _opt("", "PUB topic of this frontend; empty → random")
@@ -208,6 +215,10 @@ class FrontendConfig:
                 out.append(f"{name} must be > 0")
         if not self.drain_timeout_s >= 0:
             out.append("drain_timeout_s must be >= 0")
+        if self.transport not in ("auto", "shm", "zmq"):
+            out.append(f"unknown transport {self.transport!r} (auto, shm, zmq)")
+        if self.transport == "shm" and not self.run_dir:
+            out.append("transport shm needs --run-dir (the engine's run directory on this host)")
         return out + _address_problems(self) + _log_level_problems(self.log_level)
 
 

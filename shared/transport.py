@@ -13,9 +13,11 @@ high-water mark is full) as a gap and fails the affected requests loudly.
 Addresses are ``ipc://path`` (default) or ``tcp://host:port``: same code path.
 
 The seam is three small protocols — :class:`Inbound`, :class:`Outbound`,
-:class:`Client` — implemented here over ZeroMQ; a same-host shared-memory carrier can
-implement the same three. Sockets are not thread-safe: each object here is used from
-one thread.
+:class:`Client` — implemented here over ZeroMQ and in :mod:`shared.shm` over shared
+memory (one ring pair per frontend on the engine's host). One engine serves both at
+once: :class:`RoutedOutbound` sends a frontend's frames by the carrier it connected
+with, and broadcast frames by both. Sockets are not thread-safe: each object here is
+used from one thread.
 """
 
 from __future__ import annotations
@@ -144,7 +146,15 @@ class Outbound(Protocol):
 
 
 class Client(Protocol):
-    """Frontend / client-script side of both channels."""
+    """Frontend / client-script side of both channels. ``carrier`` names it ("zmq",
+    "shm"); ``connect`` (re)establishes a connection where the carrier needs one."""
+
+    carrier: str
+    connected: bool
+
+    def connect(self, timeout: float = 2.0) -> bool: ...
+
+    def disconnect(self) -> None: ...
 
     def send(self, msg: Any, timeout_ms: int = 1000) -> None: ...
 
@@ -207,6 +217,39 @@ class EngineOutbound:
         self.sock.close(0)
 
 
+class RoutedOutbound:
+    """The engine's outbound side over every carrier: frames for a frontend connected by
+    shared memory go to its ring, the rest to the PUB socket; broadcast frames to both.
+    Each carrier keeps its own per-topic sequence numbers."""
+
+    def __init__(self, pub: EngineOutbound):
+        self.pub = pub
+        self.addr = pub.addr
+        self.shm_peers: dict[bytes, Any] = {}  # topic → shared.shm.ShmPeer
+
+    def publish(self, topic: bytes, msg: Any) -> None:
+        self.publish_frame(topic, codec.encode(msg))
+
+    def publish_frame(self, topic: bytes, payload: bytes) -> None:
+        peer = self.shm_peers.get(topic)
+        if peer is not None:
+            peer.publish(False, payload)
+            return
+        self.pub.publish_frame(topic, payload)
+        if topic == BROADCAST:
+            for peer in self.shm_peers.values():
+                peer.publish(True, payload)
+
+    def forget(self, topic: bytes) -> None:
+        self.pub.forget(topic)
+
+    def close(self) -> None:
+        self.pub.close()
+
+
+BROADCAST = b"*"  # shared.protocol.BROADCAST_TOPIC (kept here so transport imports no protocol)
+
+
 @dataclass
 class Received:
     topic: bytes
@@ -216,6 +259,15 @@ class Received:
 class ClientChannel:
     """Frontend / client-script side: PUSH to the engine, SUB to its own topic and the
     broadcast topic. ``recv`` raises :class:`SequenceGap` when frames were lost."""
+
+    carrier = "zmq"
+    connected = True  # ZeroMQ connects (and reconnects) by itself
+
+    def connect(self, timeout: float = 2.0) -> bool:
+        return True
+
+    def disconnect(self) -> None:
+        """Nothing to drop: ZeroMQ reconnects by itself."""
 
     def __init__(self, ctx: zmq.Context, input_addr: str, output_addr: str, topic: bytes,
                  broadcast: bytes | None = None):

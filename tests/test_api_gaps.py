@@ -82,12 +82,12 @@ def test_cors_with_allowed_origins(stack):
 
 def test_version_and_stats_show_the_runtime_and_transport(stack):
     runtime = httpx.get(f"{stack.base}/version").json()["runtime"]
-    assert runtime["transport"] == "zmq ipc" and runtime["dtype"] == "float32"
+    assert runtime["transport"] == "shm+zmq ipc" and runtime["dtype"] == "float32"
     assert runtime["device"] == "cpu" and runtime["torch_threads"] == 1
     assert len(runtime["model_fingerprint"]) == 16
     assert httpx.get(f"{stack.base}/scheduler/stats").json()["runtime"] == runtime
     startup = stack.group.procs[0].output()  # the engine's start-up line says the same
-    assert "dtype float32" in startup and "transport zmq ipc" in startup and "1 thread" in startup
+    assert "dtype float32" in startup and "transport shm+zmq ipc" in startup and "1 thread" in startup
 
 
 def test_a_copy_of_the_same_model_elsewhere_is_accepted(stack, tiny_model_dir, tmp_path):

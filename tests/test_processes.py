@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,19 @@ import httpx
 import pytest
 
 from tests.procs import REPO, ProcessGroup, free_port, http_json, stats, wait_for, wait_healthy
+
+@pytest.fixture(scope="module", params=["shm", "zmq"], autouse=True)
+def carrier(request):
+    """Every test here runs over both carriers: the processes it starts read
+    TICKSERVE_TRANSPORT (engine: serve shared memory or not; frontend: use it or not)."""
+    old = os.environ.get("TICKSERVE_TRANSPORT")
+    os.environ["TICKSERVE_TRANSPORT"] = request.param
+    yield request.param
+    if old is None:
+        os.environ.pop("TICKSERVE_TRANSPORT", None)
+    else:
+        os.environ["TICKSERVE_TRANSPORT"] = old
+
 
 
 @pytest.fixture

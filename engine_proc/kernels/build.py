@@ -124,6 +124,36 @@ def build(shape: KernelShape) -> Path:
     return path
 
 
+def build_source(name: str, source: str) -> Path:
+    """Compile a small C ``source`` (no kernel shapes) into a cached shared library named
+    after ``name`` and its content; the path. Raises :class:`KernelsUnavailable`."""
+    cc = compiler()
+    if cc is None:
+        raise KernelsUnavailable("no C compiler (cc or gcc) on PATH")
+    h = hashlib.sha256(f"{source}\0{_compiler_version(cc)}\0{platform.machine()}".encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"{name}-{h}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".build-", suffix=".so")
+    os.close(fd)
+    src = tmp[:-3] + ".c"
+    try:
+        Path(src).write_text(source)
+        proc = subprocess.run([cc, "-O2", "-fPIC", "-shared", src, "-o", tmp], capture_output=True, text=True,
+                              timeout=120)
+        if proc.returncode != 0:
+            raise KernelsUnavailable(f"building {name} failed: {proc.stderr[-1000:]}")
+        os.replace(tmp, path)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelsUnavailable(f"building {name} failed: {exc}") from None
+    finally:
+        for leftover in (tmp, src):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+    return path
+
+
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _I = ctypes.c_int
