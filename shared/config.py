@@ -217,8 +217,8 @@ class FrontendConfig:
             out.append("drain_timeout_s must be >= 0")
         if self.transport not in ("auto", "shm", "zmq"):
             out.append(f"unknown transport {self.transport!r} (auto, shm, zmq)")
-        if self.transport == "shm" and not self.run_dir:
-            out.append("transport shm needs --run-dir (the engine's run directory on this host)")
+        if self.transport == "shm" and (self.input_addr or self.output_addr):
+            out.append("transport shm reaches an engine through its run directory (--run-dir), not by addresses")
         return out + _address_problems(self) + _log_level_problems(self.log_level)
 
 
