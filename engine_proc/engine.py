@@ -564,7 +564,8 @@ def runtime_info(config: cfg.EngineConfig, scheduler: Scheduler, model_dir: str 
         model_fingerprint=model_fingerprint(model_dir) if model_dir else "",
         kernels=getattr(getattr(backend, "kernels", None), "name", ""),
         model_runner=getattr(backend, "model_runner", "transformers"),
-        single_thread_below=backend.threads.single_thread_below if getattr(backend, "threads", None) else 0)
+        single_thread_below=backend.threads.single_thread_below if getattr(backend, "threads", None) else 0,
+        kv_block_size=scheduler.block_pool.block_size, kv_num_blocks=scheduler.block_pool.num_blocks)
 
 
 def configure_torch(config: cfg.EngineConfig) -> None:
@@ -607,9 +608,27 @@ def start_engine(config: cfg.EngineConfig) -> "EngineServer":
         configure_torch(config)
         model, model_dir = load_model(config)
         scheduler = build_scheduler(config, model)
+        warm_up(scheduler)
         return EngineServer(config, scheduler, runtime_info(config, scheduler, str(model_dir)))
     except (ModelNotFound, NotImplementedError, KernelsUnavailable, AddressInUse) as exc:
         raise ConfigurationError(str(exc)) from None
+
+
+def warm_up(scheduler: Scheduler) -> None:
+    """One short prefill and two decode steps through the backend before any frontend can
+    connect: kernels are built and first-call costs paid, so the engine that says hello
+    (and makes /health 200) serves its first request at speed."""
+    pool, backend, row = scheduler.block_pool, scheduler.backend, "__warm_up__"
+    ids = [1] * 8
+    pool.allocate(row, [], len(ids) + 2)
+    try:
+        backend.prefill_chunk(row, ids, 0, True)
+        backend.promote(row)
+        for step in range(2):
+            backend.decode_step_batched([row], [1], [len(ids) + step])
+    finally:
+        backend.release(row)
+        pool.free(row)
 
 
 def run_engine(config: cfg.EngineConfig) -> int:

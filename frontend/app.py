@@ -37,7 +37,9 @@ from starlette.routing import Route
 from frontend import dashboard
 from frontend.cors import cors_middleware
 from frontend.detokenizer import TextStream, token_bytes_of
-from frontend.engine_client import EngineClient, EngineUnavailable, Rejected, RequestStream
+from frontend.engine_client import EngineUnavailable, Rejected, RequestStream
+from frontend.engine_set import EngineSet
+from frontend.router import affinity_key
 from frontend.metrics import FrontendMetrics, RequestTimer
 from frontend.prompt_logprobs import engine_prompt_logprobs, legacy_prompt_part, vllm_prompt_logprobs
 from frontend.schemas import (DEFAULT_MAX_TOKENS_COMPLETIONS, ChatCompletionRequest, ChatMessage,
@@ -131,7 +133,7 @@ class ChoiceState:
 class Frontend:
     """Holds the tokenizer, the engine client and the per-endpoint logic."""
 
-    def __init__(self, config: FrontendConfig, tokenizer, client: EngineClient, model_name: str):
+    def __init__(self, config: FrontendConfig, tokenizer, client: EngineSet, model_name: str):
         self.config = config
         self.tokenizer = tokenizer
         self.client = client
@@ -147,6 +149,11 @@ class Frontend:
     def max_model_len(self) -> int:
         welcome = self.client.welcome
         return welcome.max_model_len if welcome else 2048
+
+    @property
+    def block_size(self) -> int:
+        welcome = self.client.welcome
+        return welcome.runtime.kv_block_size if welcome and welcome.runtime and welcome.runtime.kv_block_size else 16
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, refused with 413 as soon as it is known to exceed the limit."""
@@ -295,15 +302,18 @@ class Frontend:
         if session is not None and len(session) > p.MAX_ID_CHARS:
             raise HTTPError(400, f"a session id (X-Session-Id) is at most {p.MAX_ID_CHARS} characters",
                             param="user")
+        block = self.block_size
         try:
             for pi, (prompt, params) in enumerate(plans):
+                key, via = affinity_key(session, prompt.token_ids, block), None
                 for j in range(n):
                     params_j = params
                     if params.seed is not None and j:
                         params_j = msgspec.structs.replace(params, seed=params.seed + j)
                     rid = self.client.new_request_id()
-                    stream = await self.client.submit(rid, prompt.token_ids, params_j,
-                                                      session_id=session, priority=body.priority or 0)
+                    # the n samples of a prompt go where its first went: they share its blocks
+                    stream, via = await self.client.submit(rid, prompt.token_ids, params_j, session_id=session,
+                                                           priority=body.priority or 0, key=key, via=via)
                     text = TextStream(self.tokenizer, stop=body.stop_strings, prompt_token_ids=prompt.token_ids,
                                       include_stop_str_in_output=include_stop,
                                       skip_special_tokens=skip_special, min_tokens=params.min_tokens)
@@ -628,11 +638,16 @@ class Frontend:
                                                   "transport": self.client.transport_name}})
 
     async def prometheus(self, request: Request) -> Response:
-        try:
-            engine = await self.client.stats(timeout=1.0)
-        except EngineUnavailable:
-            engine = None
-        return Response(self.metrics.render(engine), media_type="text/plain; version=0.0.4")
+        """Counters of every frontend, gauges from each engine's latest broadcast: no round
+        trip to an engine, so a scrape costs the same 20 times a second."""
+        latest = getattr(self.client, "latest_stats", None)
+        engines = [stats for _, stats in latest()] if latest is not None else []
+        if not any(engines):  # no broadcast yet (or --stats-interval-s 0): ask
+            try:
+                engines = [await self.client.stats(timeout=1.0)]
+            except EngineUnavailable:
+                engines = [None]
+        return Response(self.metrics.render(engines), media_type="text/plain; version=0.0.4")
 
     async def tokenize(self, request: Request) -> Response:
         body: TokenizeRequest = await self._parse(request, TokenizeRequest)
@@ -730,10 +745,10 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 
 def create_app(config: FrontendConfig, tokenizer, model_name: str,
-               client: EngineClient | None = None) -> Starlette:
+               client: EngineSet | None = None) -> Starlette:
     """The Starlette app. The engine client starts in the lifespan; until its handshake
     with the engine completes, /health and generation endpoints answer 503."""
-    client = client or EngineClient(config)
+    client = client or EngineSet(config)
     frontend = Frontend(config, tokenizer, client, model_name)
 
     @contextlib.asynccontextmanager

@@ -30,13 +30,45 @@ STATIC_DIR = Path(__file__).resolve().parent / "static" / "dashboard"
 
 
 def make_hub(frontend) -> StatsHub:
-    """A hub fed by ``frontend.client``'s stats broadcasts."""
+    """A hub fed by the stats broadcasts of ``frontend.client`` (every engine of an
+    :class:`~frontend.engine_set.EngineSet`, one row each)."""
+    from frontend.engine_set import aggregate
+
     client = frontend.client
-    hub = StatsHub(status=lambda: (client.is_up, client.engine_id),
-                   frontend=lambda: {"frontend_id": client.frontend_id, "in_flight": client.num_in_flight,
-                                     "transport": client.transport_name})
-    client.on_stats_broadcast = hub.update
+    members = getattr(client, "members", None)
+    info = lambda: {"frontend_id": client.frontend_id, "in_flight": client.num_in_flight,  # noqa: E731
+                    "transport": client.transport_name}
+    if members and len(members) > 1:
+        hub = StatsHub(status=lambda: [(m.up, m.client.engine_id) for m in members], frontend=info,
+                       addresses=[m.address for m in members],
+                       merge=lambda stats: merge_windows(aggregate(stats, len(members)), stats))
+        client.on_stats_broadcast = lambda index, data: hub.update(data, index)
+        return hub
+    hub = StatsHub(status=lambda: (client.is_up, client.engine_id), frontend=info)
+    client.on_stats_broadcast = lambda *args: hub.update(args[-1])
     return hub
+
+
+def merge_windows(merged: dict, stats: list[dict]) -> dict:
+    """The dashboard's ``window`` of several engines: rates summed; latency percentiles
+    the worst engine's (percentiles of parts do not combine into the whole's); sessions
+    the busiest across engines."""
+    windows = [s.get("window") or {} for s in stats]
+    window: dict = {}
+    for name in ("output_tokens_per_s", "kv_admit_blocked_per_s"):
+        window[name] = sum(w.get(name) or 0.0 for w in windows)
+    window["rejects_per_s"] = {}
+    for w in windows:
+        for code, v in (w.get("rejects_per_s") or {}).items():
+            window["rejects_per_s"][code] = window["rejects_per_s"].get(code, 0.0) + (v or 0.0)
+    for name in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
+        values = [w.get(name) for w in windows if w.get(name) is not None]
+        window[name] = max(values) if values else None
+    rates = [w.get("prefix_cache_hit_rate") for w in windows if w.get("prefix_cache_hit_rate") is not None]
+    window["prefix_cache_hit_rate"] = sum(rates) / len(rates) if rates else None
+    sessions = [s for w in windows for s in (w.get("sessions") or [])]
+    window["sessions"] = sorted(sessions, key=lambda s: -(s.get("tokens_per_s") or 0.0))[:8]
+    return {**merged, "window": window}
 
 
 def routes(frontend, hub: StatsHub) -> list:

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one frontend (``GET /metrics``), with prometheus-client.
+"""Prometheus metrics of the frontends (``GET /metrics``), with prometheus-client.
 
 Latencies are measured where the user sees them — from the engine's ack to a token's
 arrival at this frontend — in seconds:
@@ -8,16 +8,30 @@ arrival at this frontend — in seconds:
   request; one output can carry several tokens),
 * ``tickserve_e2e_request_latency_seconds`` (ack to finish).
 
-Counters: prompt and generation tokens, finished requests by finish reason, rejected
-requests by gate. Engine gauges (queue lengths, batch size, KV reservation, block
-usage) are read from the engine's stats at scrape time.
+Counters: prompt and generation tokens, finished requests by finish reason (client
+disconnects count as ``abort``), rejected requests by gate. Under ``tickserve serve``
+the frontends share these through prometheus-client's multiprocess mode
+(``PROMETHEUS_MULTIPROC_DIR``): a scrape of any one reports the totals of all.
+
+Engine gauges come from the engines' latest stats broadcasts (no round trip per scrape),
+summed over every engine, among them the unlabelled gauges the Kubernetes Gateway API
+Inference Extension's endpoint picker reads (``docs/deploy-kubernetes.md``)::
+
+    tickserve:num_requests_waiting     requests queued (gate 1 passed, not admitted)
+    tickserve:num_requests_running     requests prefilling or decoding
+    tickserve:kv_cache_usage_perc      used / total KV blocks, 0..1 (named as vLLM's)
+    tickserve:cache_config_info        1, labels block_size and num_gpu_blocks
 """
 
 from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from shared.protocol import RejectCode
 
@@ -58,17 +72,64 @@ class FrontendMetrics:
                                 ["code"], registry=r)
         for code in RejectCode:  # every series from the start: rate() needs the zero
             self.rejected.labels(code.value)
-        self.engine = {name: Gauge(f"tickserve_engine_{name}", help_, registry=r)
-                       for name, help_ in ENGINE_GAUGES.items()}
-        self.engine_up = Gauge("tickserve_engine_up", "1 while an engine is connected.", registry=r)
+        self.engine_registry = CollectorRegistry()
+        self.engine_collector = EngineCollector()
+        self.engine_registry.register(self.engine_collector)
 
-    def render(self, engine_stats: dict | None) -> bytes:
-        self.engine_up.set(1 if engine_stats is not None else 0)
-        for name, gauge in self.engine.items():
-            value = (engine_stats or {}).get(name)
-            if isinstance(value, (int, float)):
-                gauge.set(value)
-        return generate_latest(self.registry)
+    def render(self, engines: list[dict | None] | dict | None) -> bytes:
+        """The exposition text: this frontend's (or, in multiprocess mode, every
+        frontend's) counters and histograms, then the engine gauges of ``engines`` (each
+        engine's latest stats; ``None`` for one that is down)."""
+        self.engine_collector.engines = engines if isinstance(engines, list) else [engines]
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            shared = CollectorRegistry()
+            MultiProcessCollector(shared)
+            head = generate_latest(shared)
+        else:
+            head = generate_latest(self.registry)
+        return head + generate_latest(self.engine_registry)
+
+
+class EngineCollector:
+    """Gauges built at scrape time from the engines' stats (summed over engines)."""
+
+    def __init__(self) -> None:
+        self.engines: list[dict | None] = []
+
+    def collect(self):
+        live = [e for e in self.engines if e]
+        up = GaugeMetricFamily("tickserve_engine_up", "Engines connected (1 for one engine that is up).")
+        up.add_metric([], len(live))
+        yield up
+        for name, help_ in ENGINE_GAUGES.items():
+            g = GaugeMetricFamily(f"tickserve_engine_{name}", help_)
+            values = [e.get(name) for e in live if isinstance(e.get(name), (int, float))]
+            if name == "kv_pressure":
+                g.add_metric([], _kv_usage(live))
+            elif values:
+                g.add_metric([], sum(values))
+            yield g
+        waiting = GaugeMetricFamily("tickserve:num_requests_waiting", "Requests queued, not yet admitted.")
+        waiting.add_metric([], sum(e.get("num_pending", 0) for e in live))
+        yield waiting
+        running = GaugeMetricFamily("tickserve:num_requests_running", "Requests prefilling or decoding.")
+        running.add_metric([], sum(e.get("num_prefilling", 0) + e.get("num_active", 0) for e in live))
+        yield running
+        usage = GaugeMetricFamily("tickserve:kv_cache_usage_perc", "KV cache usage: used / total blocks, 0..1.")
+        usage.add_metric([], _kv_usage(live))
+        yield usage
+        info = GaugeMetricFamily("tickserve:cache_config_info", "KV cache configuration.",
+                                 labels=["block_size", "num_gpu_blocks"])
+        blocks = [e.get("blocks") or {} for e in live]
+        if blocks:
+            info.add_metric([str(blocks[0].get("block_size", "")), str(sum(b.get("num_blocks", 0) for b in blocks))], 1)
+        yield info
+
+
+def _kv_usage(live: list[dict]) -> float:
+    used = sum((e.get("blocks") or {}).get("num_used_blocks", 0) for e in live)
+    total = sum((e.get("blocks") or {}).get("num_blocks", 0) for e in live)
+    return used / total if total else 0.0
 
 
 class RequestTimer:

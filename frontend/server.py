@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -52,8 +53,8 @@ def run_frontend(config: cfg.FrontendConfig) -> int:
     from frontend.app import create_app
     from frontend.http_guard import ConnectionLimits, guarded_protocol
 
-    if not (config.run_dir or (config.input_addr and config.output_addr)):
-        logging.error("the frontend needs --run-dir or --input-addr/--output-addr of a running engine")
+    if not (config.run_dir or config.engine or (config.input_addr and config.output_addr)):
+        logging.error("the frontend needs --run-dir, --engines or --input-addr/--output-addr of running engines")
         return 2
     try:
         model_dir = resolve_model(config.model)
@@ -72,7 +73,8 @@ def run_frontend(config: cfg.FrontendConfig) -> int:
     client = app.state.frontend.client
     client.expected_fingerprint = model_fingerprint(model_dir)
     client.on_refused = server.refuse
-    server.run()
+    # tickserve serve binds the port once and every frontend accepts on that socket
+    server.run(sockets=[socket.socket(fileno=config.http_fd)] if config.http_fd >= 0 else None)
     return server.exit_code
 
 

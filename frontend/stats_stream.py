@@ -38,37 +38,52 @@ def sse_frame(event_id: int, event: str, data: dict) -> str:
 class StatsHub:
     """The latest engine stats of one frontend, shared by every viewer (event loop only).
 
-    ``status``: returns ``(engine up?, engine id or None)`` — the engine client's view.
-    ``frontend``: extra fields for the event's ``frontend`` object (a callable).
+    ``status``: returns ``(engine up?, engine id or None)`` — the engine client's view —
+    or, for a frontend with several engines, a list of them (one per engine, in a fixed
+    order); ``addresses`` names those engines. ``frontend``: extra fields for the event's
+    ``frontend`` object (a callable). ``merge``: several engines' stats as one (the
+    event's ``stats``; each engine's own are under ``engines``).
     """
 
-    def __init__(self, status: Callable[[], tuple[bool, str | None]],
-                 frontend: Callable[[], dict] | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, status: Callable[[], tuple | list], frontend: Callable[[], dict] | None = None,
+                 clock: Callable[[], float] = time.monotonic, addresses: list[str] | None = None,
+                 merge: Callable[[list[dict]], dict] | None = None):
         self.status = status
         self.frontend = frontend or (lambda: {})
         self.clock = clock
-        self.latest: dict | None = None
+        self.addresses = addresses or [""]
+        self.merge = merge
+        self.latest_by: list[dict | None] = [None] * len(self.addresses)
         self.version = 0  # counts publications received
         self.num_dropped = 0  # malformed publications
-        self.engine_ids: list[str] = []  # every engine seen, oldest first
+        self.ids_by: list[list[str]] = [[] for _ in self.addresses]  # every engine seen per slot, oldest first
         self._changed = asyncio.Event()
         self._frame_key: tuple | None = None
         self._frame = ""
 
     @property
-    def restarts(self) -> int:
-        return max(0, len(self.engine_ids) - 1)
+    def latest(self) -> dict | None:
+        return self.latest_by[0]
 
-    def update(self, data) -> None:
-        """A broadcast ``Stats`` from the engine. Checked field by field before use:
+    @property
+    def engine_ids(self) -> list[str]:
+        return self.ids_by[0]
+
+    @property
+    def restarts(self) -> int:
+        return sum(max(0, len(ids) - 1) for ids in self.ids_by)
+
+    def update(self, data, index: int = 0) -> None:
+        """A broadcast ``Stats`` from engine ``index``. Checked field by field before use:
         a dict whose ``engine_id`` is a non-empty string; anything else is counted and dropped."""
-        if not isinstance(data, dict) or not isinstance(data.get("engine_id"), str) or not data["engine_id"]:
+        if not isinstance(data, dict) or not isinstance(data.get("engine_id"), str) or not data["engine_id"] \
+                or not 0 <= index < len(self.latest_by):
             self.num_dropped += 1
             return
-        if not self.engine_ids or self.engine_ids[-1] != data["engine_id"]:
-            if data["engine_id"] not in self.engine_ids:
-                self.engine_ids.append(data["engine_id"])
-        self.latest = data
+        ids = self.ids_by[index]
+        if data["engine_id"] not in ids:
+            ids.append(data["engine_id"])
+        self.latest_by[index] = data
         self.version += 1
         self._changed.set()
 
@@ -76,17 +91,34 @@ class StatsHub:
         """Wake the viewers so they report the engine down at once."""
         self._changed.set()
 
+    def _statuses(self) -> list[tuple[bool, str | None]]:
+        st = self.status()
+        return list(st) if isinstance(st, list) else [st]
+
     def frame(self) -> str:
         """The current event, encoded once per (publication, engine state)."""
-        up, engine_id = self.status()
-        key = (self.version, up, engine_id, self.restarts)
+        statuses = self._statuses()
+        key = (self.version, tuple(statuses), self.restarts)
         if key != self._frame_key:
-            fresh = up and self.latest is not None and self.latest.get("engine_id") == engine_id
-            self._frame = sse_frame(self.version, "stats", {
-                "engine": {"up": bool(up), "engine_id": engine_id, "restarts": self.restarts},
-                "frontend": self.frontend(),
-                "stats": self.latest if fresh else None,
-            })
+            fresh = [latest if up and latest is not None and latest.get("engine_id") == eid else None
+                     for (up, eid), latest in zip(statuses, self.latest_by)]
+            if len(statuses) == 1:
+                up, engine_id = statuses[0]
+                payload = {"engine": {"up": bool(up), "engine_id": engine_id, "restarts": self.restarts},
+                           "frontend": self.frontend(), "stats": fresh[0]}
+            else:
+                alive = [s for s in fresh if s is not None]
+                payload = {
+                    "engine": {"up": any(up for up, _ in statuses),
+                               "engine_id": ",".join(eid for up, eid in statuses if up and eid) or None,
+                               "restarts": self.restarts},
+                    "engines": [{"address": addr, "up": bool(up), "engine_id": eid,
+                                 "restarts": max(0, len(ids) - 1), "stats": s}
+                                for addr, (up, eid), ids, s in zip(self.addresses, statuses, self.ids_by, fresh)],
+                    "frontend": self.frontend(),
+                    "stats": self.merge(alive) if alive and self.merge else (alive[0] if alive else None),
+                }
+            self._frame = sse_frame(self.version, "stats", payload)
             self._frame_key = key
         return self._frame
 
@@ -105,8 +137,7 @@ class StatsHub:
             deadline = sent_at + KEEPALIVE_S
             while self.clock() < deadline:
                 self._changed.clear()
-                up, engine_id = self.status()
-                if (self.version, up, engine_id, self.restarts) != seen:
+                if (self.version, tuple(self._statuses()), self.restarts) != seen:
                     break
                 try:
                     await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - self.clock()))

@@ -1,6 +1,6 @@
 """The tickserve command.
 
-    tickserve serve [MODEL]  one engine + one frontend, supervised (engine restarted with backoff)
+    tickserve serve [MODEL]  engines + frontends, supervised (each restarted with backoff)
     tickserve engine         the engine alone: binds its sockets and runs the tick loop
     tickserve frontend       one HTTP frontend against a running engine (scale these out)
     tickserve cache          list the converted-model cache, or prune copies of the old layout
@@ -16,98 +16,14 @@ import argparse
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 
 from shared import config as cfg
 
 log = logging.getLogger("tickserve.serve")
 
-SERVE_SHARED = ("model", "run_dir", "input_addr", "output_addr", "log_level")
-EXIT_CONFIG = 78  # engine_proc.engine.EXIT_CONFIG (not imported here: that would load torch)
-
-
-class Supervisor:
-    """Starts the engine and the frontend, restarts the engine when it dies
-    (exponential backoff, reset after a stable minute), and on SIGTERM/SIGINT stops
-    the frontend first (it drains), then the engine; removes the run directory."""
-
-    def __init__(self, engine: cfg.EngineConfig, frontend: cfg.FrontendConfig, own_run_dir: bool):
-        self.engine_config = engine
-        self.frontend_config = frontend
-        self.own_run_dir = own_run_dir
-        self.engine: subprocess.Popen | None = None
-        self.frontend: subprocess.Popen | None = None
-        self.stopping = False
-        self.backoff = 0.5
-        self.engine_started = 0.0
-
-    def _spawn(self, module: str, config) -> subprocess.Popen:
-        # Each child gets its own session, so a terminal's Ctrl-C reaches only this
-        # supervisor, which then stops the children once, in order (a second signal
-        # would cut the frontend's drain short); and each child is sent SIGTERM by the
-        # kernel if the supervisor itself dies, so none is orphaned.
-        return subprocess.Popen([sys.executable, "-m", module, *cfg.to_argv(config)],
-                                start_new_session=True, preexec_fn=_die_with_parent)
-
-    def start_engine(self) -> None:
-        self.engine = self._spawn("engine_proc", self.engine_config)
-        self.engine_started = time.monotonic()
-        log.info("engine started (pid %d)", self.engine.pid)
-
-    def run(self) -> int:
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
-        self.start_engine()
-        self.frontend = self._spawn("frontend", self.frontend_config)
-        code = 0
-        while not self.stopping:
-            time.sleep(0.1)
-            if self.engine.poll() is not None and not self.stopping:
-                if self.engine.returncode == EXIT_CONFIG:  # a restart cannot help; it said why
-                    log.error("engine cannot start with this configuration (exit %d); shutting down",
-                              EXIT_CONFIG)
-                    code = 2
-                    break
-                if time.monotonic() - self.engine_started > 60:
-                    self.backoff = 0.5
-                log.error("engine exited with %s; restarting in %.1fs", self.engine.returncode, self.backoff)
-                deadline = time.monotonic() + self.backoff
-                while time.monotonic() < deadline and not self.stopping:
-                    time.sleep(0.05)
-                self.backoff = min(self.backoff * 2, 10.0)
-                if not self.stopping:
-                    self.start_engine()
-            if self.frontend.poll() is not None and not self.stopping:
-                log.error("frontend exited with %s; shutting down", self.frontend.returncode)
-                code = self.frontend.returncode or 1
-                break
-        self.shutdown()
-        return code
-
-    def _on_signal(self, signum, frame) -> None:
-        if self.stopping:  # a second Ctrl-C: pass it on, the children stop at once
-            for proc in (self.frontend, self.engine):
-                if proc is not None and proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-        self.stopping = True
-
-    def shutdown(self) -> None:
-        drain = self.frontend_config.drain_timeout_s
-        for proc, timeout in ((self.frontend, drain + 5), (self.engine, 10)):
-            if proc is None or proc.poll() is not None:
-                continue
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        if self.own_run_dir:
-            shutil.rmtree(self.engine_config.run_dir, ignore_errors=True)
+SERVE_SHARED = ("model", "run_dir", "input_addr", "output_addr", "log_level", "transport")
 
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -135,63 +51,62 @@ def _fail(prog: str, message: str):
     raise SystemExit(2)
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: ask Linux for SIGTERM when the parent dies."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def port_problem(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be bound now, or ``None``."""
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-    except OSError as exc:
-        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
-    return None
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Check everything, convert the model once, bind the HTTP port, then supervise the
+    engines and frontends (:mod:`shared.supervisor`)."""
     from engine_proc.model_loader import ModelNotFound, resolve_model
+    from shared.supervisor import Supervisor, listen
 
     environ = dict(os.environ)
     try:
         engine = cfg.build(cfg.EngineConfig, args, environ)
         frontend_probe = cfg.build(cfg.FrontendConfig, args, environ)
+        serve = cfg.build(cfg.ServeConfig, args, environ)
     except ValueError as exc:
         print(f"tickserve: {exc}", file=sys.stderr)
         return 2
-    problems = engine.problems() + [p for p in frontend_probe.problems() if p not in engine.problems()]
+    problems = engine.problems() + [p for p in frontend_probe.problems() + serve.problems() if p not in engine.problems()]
+    dp = serve.data_parallel_size
+    if dp > 1 and (engine.input_addr or engine.output_addr):
+        problems.append("--data-parallel-size engines listen in the run directory: give no --input-addr/--output-addr")
     if not problems:
         from engine_proc.engine import device_problems
 
         problems += device_problems(engine)
-        port_issue = port_problem(frontend_probe.host, frontend_probe.port)
-        if port_issue:
-            problems.append(port_issue + " (is another server running? set --port or PORT)")
     if problems:
         print("tickserve: " + "; ".join(problems), file=sys.stderr)
         return 2
     try:
-        model_dir = str(resolve_model(engine.model))  # convert once, before either child starts
+        model_dir = str(resolve_model(engine.model))  # convert once, before any child starts
     except ModelNotFound as exc:
         print(f"tickserve: {exc}", file=sys.stderr)
         return 2
+    try:
+        http_sock = listen(frontend_probe.host, frontend_probe.port)
+    except OSError as exc:
+        print(f"tickserve: cannot listen on {frontend_probe.host}:{frontend_probe.port}: {exc.strerror or exc} "
+              "(is another server running? set --port or PORT)", file=sys.stderr)
+        return 2
     own = not (engine.run_dir or (engine.input_addr and engine.output_addr))
     run_dir = engine.run_dir or tempfile.mkdtemp(prefix="tickserve-")
-    engine = cfg.build(cfg.EngineConfig, args, environ, model=model_dir, run_dir=run_dir)
-    frontend = cfg.build(cfg.FrontendConfig, args, environ, model=model_dir, run_dir=run_dir,
-                         served_model_name=args.served_model_name or _display(args.model or environ.get(
-                             cfg.env_name("model"), "")))
-    print(f"tickserve: starting {frontend.served_model_name} on http://{frontend.host}:{frontend.port} "
-          f"(engine sockets in {run_dir}; Ctrl-C drains and stops)", flush=True)
-    return Supervisor(engine, frontend, own).run()
+    engine_dirs = [run_dir] if dp == 1 else [os.path.join(run_dir, f"engine-{i}") for i in range(dp)]
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    engines = [cfg.build(cfg.EngineConfig, args, environ, model=model_dir, run_dir=d, **(
+        {} if dp == 1 else {"torch_threads": engine.torch_threads or max(1, cpus // dp),
+                            "kv_memory_fraction": engine.kv_memory_fraction / dp})) for d in engine_dirs]
+    name = args.served_model_name or _display(args.model or environ.get(cfg.env_name("model"), ""))
+    metrics_dir = os.path.join(run_dir, "metrics")
+    shutil.rmtree(metrics_dir, ignore_errors=True)
+    os.makedirs(metrics_dir, exist_ok=True)
+    frontends = [cfg.build(cfg.FrontendConfig, args, environ, model=model_dir, served_model_name=name,
+                           http_fd=http_sock.fileno(),
+                           **({"run_dir": run_dir} if dp == 1 else {"run_dir": "", "engine": ",".join(engine_dirs)}))
+                 for _ in range(serve.api_server_count)]
+    parts = (f"{serve.api_server_count} frontends, " if serve.api_server_count > 1 else "") + \
+            (f"{dp} engines, " if dp > 1 else "")
+    print(f"tickserve: starting {name} on http://{frontend_probe.host}:{frontend_probe.port} "
+          f"({parts}engine sockets in {run_dir}; Ctrl-C drains and stops)", flush=True)
+    return Supervisor(engines, frontends, http_sock, run_dir, own, metrics_dir).run()
 
 
 def cmd_cache(argv: list[str]) -> int:
@@ -229,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="engine + frontend, supervised")
     serve.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
                        help="the same as --model: a local Hugging Face directory or .gguf file")
+    cfg.add_arguments(serve, cfg.ServeConfig)
     cfg.add_arguments(serve, cfg.EngineConfig)
-    cfg.add_arguments(serve, cfg.FrontendConfig, skip=SERVE_SHARED)
+    cfg.add_arguments(serve, cfg.FrontendConfig, skip=SERVE_SHARED + ("engine", "http_fd"))
     sub.add_parser("engine", help="the engine process alone", add_help=False)
     sub.add_parser("frontend", help="one HTTP frontend", add_help=False)
     sub.add_parser("cache", help="list or prune the converted-model cache", add_help=False)

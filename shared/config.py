@@ -176,6 +176,8 @@ class FrontendConfig:
     host: str = _opt("127.0.0.1", "HTTP bind address")
     port: int = _opt(8000, "HTTP port")
     run_dir: str = _opt("", "engine run directory (ipc:// sockets)")
+    engine: str = _opt("", "engines, comma-separated: run directories, tcp://HOST:PORT (output on PORT+1) or IN+OUT address pairs; requests are routed by session/prefix affinity with bounded load; empty → the one engine of run_dir / input_addr / output_addr")
+    http_fd: int = _opt(-1, "serve HTTP on this already-listening socket (inherited from tickserve serve --api-server-count); -1 → bind host:port")
     transport: str = _opt("auto", "auto (shared memory when the engine is reached through its run directory, else ZeroMQ) | shm | zmq")
     input_addr: str = _opt("", "engine PULL address; empty → ipc://<run_dir>/input.sock")
     output_addr: str = _opt("", "engine PUB address; empty → ipc://<run_dir>/output.sock")
@@ -217,14 +219,54 @@ class FrontendConfig:
             out.append("drain_timeout_s must be >= 0")
         if self.transport not in ("auto", "shm", "zmq"):
             out.append(f"unknown transport {self.transport!r} (auto, shm, zmq)")
+        if self.engine:
+            try:
+                parse_engines(self.engine)
+            except ValueError as exc:
+                out.append(f"engine: {exc}")
         if self.transport == "shm" and (self.input_addr or self.output_addr):
             out.append("transport shm reaches an engine through its run directory (--run-dir), not by addresses")
         return out + _address_problems(self) + _log_level_problems(self.log_level)
 
 
+@dataclass(frozen=True)
+class ServeConfig:
+    """``tickserve serve``'s own settings (the supervisor process)."""
+
+    api_server_count: int = _opt(1, "frontend processes sharing the HTTP port (vLLM: --api-server-count)")
+    data_parallel_size: int = _opt(1, "engine processes, each on its share of the CPUs (or a device) with its own KV pool; frontends route between them (vLLM: --data-parallel-size)")
+
+    def problems(self) -> list[str]:
+        return [f"{name} must be at least 1" for name in ("api_server_count", "data_parallel_size")
+                if getattr(self, name) < 1]
+
+
 DEVICES = ("auto", "cuda", "mps", "cpu")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def parse_engines(spec: str) -> list[tuple[str, str, str]]:
+    """``spec`` as ``(address label, run_dir, input_addr+output_addr)`` entries: run
+    directories, ``tcp://HOST:PORT`` pairs (output on ``PORT + 1``) or ``IN+OUT``.
+    Raises ``ValueError`` naming a malformed entry."""
+    out = []
+    for raw in [s.strip() for s in spec.split(",") if s.strip()]:
+        if "+" in raw:
+            inp, outp = raw.split("+", 1)
+            if not (inp.startswith("tcp://") and outp.startswith("tcp://")):
+                raise ValueError(f"engine {raw!r}: IN+OUT takes two tcp:// addresses")
+            out.append((raw, "", f"{inp}+{outp}"))
+        elif raw.startswith("tcp://"):
+            host, _, port = raw[len("tcp://"):].rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65535:
+                raise ValueError(f"engine {raw!r}: expected tcp://HOST:PORT")
+            out.append((raw, "", f"tcp://{host}:{port}+tcp://{host}:{int(port) + 1}"))
+        else:
+            out.append((raw, raw, ""))
+    if not out:
+        raise ValueError("no engine address given")
+    return out
 
 
 def _address_problems(config) -> list[str]:

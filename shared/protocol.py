@@ -239,6 +239,8 @@ class RuntimeInfo(Struct, frozen=True, array_like=True):
     kernels: str = ""  # paged backend: "c" (compiled for this CPU) | "torch"; "" for hf
     model_runner: str = ""  # "tickserve llama" | "transformers"
     single_thread_below: int = 0  # passes of fewer tokens run on one thread (0: never)
+    kv_block_size: int = 0  # tokens per KV block (0: not reported)
+    kv_num_blocks: int = 0  # blocks in the KV pool
 
     def summary(self) -> str:
         """One line for logs: ``device cpu, dtype float32, 1 thread, backend paged, ...``."""

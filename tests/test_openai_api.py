@@ -583,7 +583,7 @@ def test_body_size_limit_is_413(stack):
 
 
 class ScriptedEngine:
-    """Stands in for :class:`EngineClient`: every submit is accepted and streams
+    """Stands in for :class:`EngineSet`: every submit is accepted and streams
     ``script`` (token-id lists), then fails with ``error`` as a dead engine does; the
     engine counts as down from the moment that error is delivered."""
 
@@ -613,7 +613,7 @@ class ScriptedEngine:
         self._n += 1
         return f"r{self._n}"
 
-    async def submit(self, rid, ids, params, session_id=None, priority=0):
+    async def submit(self, rid, ids, params, session_id=None, priority=0, key=b"", via=None):
         from frontend.engine_client import EngineUnavailable, RequestStream
 
         if not self.up:
@@ -631,7 +631,7 @@ class ScriptedEngine:
         for tokens in self.script:
             stream.queue.put_nowait(self.p.RequestOutput(rid, tokens))
         stream.queue.put_nowait(self.p.RequestOutput(rid, [], self.p.FinishReason.ERROR, error=self.error))
-        return stream
+        return stream, self
 
     def abort(self, rids):
         self.aborted.extend(rids)
