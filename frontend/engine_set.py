@@ -79,6 +79,7 @@ class EngineSet:
         self.frontend_id = self.members[0].client.frontend_id
         self._owners: dict[str, Member] = {}
         self._ids = itertools.count()
+        self._turn = itertools.count()
         self.on_stats_broadcast = None  # called with (member index, stats) on the event loop
         for i, m in enumerate(self.members):
             m.client.on_stats_broadcast = lambda data, i=i: self._on_broadcast(i, data)
@@ -160,7 +161,14 @@ class EngineSet:
     # ------------------------------------------------------------------ routing
 
     def route(self, key: bytes) -> list[Member]:
-        """The engines to try for ``key``, best first (healthy ones only)."""
+        """The engines to try for ``key``, best first (healthy ones only); with
+        ``routing round_robin``, the next healthy engine in turn, then the others."""
+        if self.config.routing == "round_robin":
+            healthy = [m for m in self.members if m.up]
+            if not healthy:
+                return []
+            start = next(self._turn) % len(healthy)
+            return healthy[start:] + healthy[:start]
         return choose(key, self.members, self.policy)
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: p.SamplingParams,

@@ -93,7 +93,12 @@ class StatsHub:
 
     def _statuses(self) -> list[tuple[bool, str | None]]:
         st = self.status()
-        return list(st) if isinstance(st, list) else [st]
+        statuses = list(st) if isinstance(st, list) else [st]
+        # an engine that said hello counts as seen (and as a restart) before its first broadcast
+        for ids, (up, eid) in zip(self.ids_by, statuses):
+            if up and isinstance(eid, str) and eid and eid not in ids:
+                ids.append(eid)
+        return statuses
 
     def frame(self) -> str:
         """The current event, encoded once per (publication, engine state)."""

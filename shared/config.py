@@ -177,6 +177,7 @@ class FrontendConfig:
     port: int = _opt(8000, "HTTP port")
     run_dir: str = _opt("", "engine run directory (ipc:// sockets)")
     engine: str = _opt("", "engines, comma-separated: run directories, tcp://HOST:PORT (output on PORT+1) or IN+OUT address pairs; requests are routed by session/prefix affinity with bounded load; empty → the one engine of run_dir / input_addr / output_addr")
+    routing: str = _opt("affinity", "with several engines: affinity (session or prompt prefix, rendezvous hashing, bounded load) | round_robin")
     http_fd: int = _opt(-1, "serve HTTP on this already-listening socket (inherited from tickserve serve --api-server-count); -1 → bind host:port")
     transport: str = _opt("auto", "auto (shared memory when the engine is reached through its run directory, else ZeroMQ) | shm | zmq")
     input_addr: str = _opt("", "engine PULL address; empty → ipc://<run_dir>/input.sock")
@@ -219,6 +220,8 @@ class FrontendConfig:
             out.append("drain_timeout_s must be >= 0")
         if self.transport not in ("auto", "shm", "zmq"):
             out.append(f"unknown transport {self.transport!r} (auto, shm, zmq)")
+        if self.routing not in ("affinity", "round_robin"):
+            out.append(f"unknown routing {self.routing!r} (affinity, round_robin)")
         if self.engine:
             try:
                 parse_engines(self.engine)

@@ -346,8 +346,8 @@ class ShmPeer:
                 self.counters.overflow_in += 1
             frames.append(payload)
         self.counters.frames_in += len(frames)
-        if frames or self.inbound._load(HEAD) < self.inbound._load(TAIL):
-            _doorbell(self.in_bell)  # more may be waiting: come back after the heartbeat check
+        if self.inbound._load(HEAD) < self.inbound._load(TAIL):
+            _doorbell(self.in_bell)  # the deadline came first: come back for the rest after the heartbeat check
         return frames
 
     def check_socket(self) -> None:
@@ -451,6 +451,7 @@ class ShmChannel:
         self.in_bell = self.out_bell = -1
         self._expected: dict[int, int] = {}
         self._poller = None
+        self._sock_readable = False
 
     @property
     def connected(self) -> bool:
@@ -484,6 +485,7 @@ class ShmChannel:
         self._poller = select.poll()
         self._poller.register(self.in_bell, select.POLLIN)
         self._poller.register(sock.fileno(), select.POLLIN)
+        self._sock_readable = False
         return True
 
     def send(self, msg, timeout_ms: int = 1000) -> None:
@@ -509,11 +511,21 @@ class ShmChannel:
         _doorbell(self.out_bell)
 
     def poll(self, timeout_ms: int) -> bool:
-        """Wait for the doorbell (or the socket: the engine left) at most ``timeout_ms``."""
+        """Wait for the doorbell (or the socket: the engine left, or an overflow frame) at
+        most ``timeout_ms``; at once when records are already waiting. The doorbell is
+        drained here, once per wake-up, not per record."""
         if self.sock is None:
             time.sleep(timeout_ms / 1000)
             return False
-        return bool(self._poller.poll(timeout_ms))
+        if self.inbound._load(HEAD) < self.inbound._load(TAIL):
+            return True
+        events = self._poller.poll(timeout_ms)
+        for fd, _ in events:
+            if fd == self.in_bell:
+                _drain_doorbell(fd)
+            else:
+                self._sock_readable = True
+        return bool(events)
 
     def recv(self):
         """One message, or ``None`` if nothing is waiting (non-blocking)."""
@@ -522,16 +534,16 @@ class ShmChannel:
 
         if self.sock is None:
             return None
-        _drain_doorbell(self.in_bell)
         rec = self.inbound.read()
         if rec is None:
-            self._check_socket()
+            if self._sock_readable:
+                self._sock_readable = False
+                self._check_socket()
             return None
         kind, topic, seq, payload = rec
         if kind == OVERFLOW_KIND:
             self.sock.settimeout(5.0)
             payload = _recv_frame(self.sock)
-        _doorbell(self.in_bell) if self.inbound._load(HEAD) < self.inbound._load(TAIL) else None
         expected = self._expected.get(topic)
         self._expected[topic] = seq + 1
         name = self.topic if topic == OWN else (self.broadcast or b"")

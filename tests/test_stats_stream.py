@@ -131,3 +131,32 @@ def test_malformed_publications_are_dropped():
     for bad in (None, [], {"engine_id": 3}, {"engine_id": ""}, {"num_active": 1}):
         hub.update(bad)
     assert hub.num_dropped == 5 and hub.version == 0 and hub.latest is None
+
+
+def test_several_engines_are_one_row_each_and_summed():
+    """A frontend with two engines: the event lists both (address, state, own stats)
+    and its ``stats`` is their sum; the rates add up, the percentiles are the worst."""
+    from frontend.dashboard import merge_windows
+    from frontend.engine_set import aggregate
+
+    state = [(True, "e1"), (True, "e2")]
+    hub = StatsHub(status=lambda: list(state), addresses=["/run/engine-0", "/run/engine-1"],
+                   merge=lambda stats: merge_windows(aggregate(stats, 2), stats))
+
+    def engine_stats(eid, active, used, p99):
+        return {"engine_id": eid, "num_active": active, "num_pending": 0, "num_prefilling": 0,
+                "blocks": {"num_used_blocks": used, "num_blocks": 100},
+                "window": {"output_tokens_per_s": 10.0 * active, "ttft_p99_s": p99, "sessions": []}}
+
+    hub.update(engine_stats("e1", 3, 10, 0.5), 0)
+    hub.update(engine_stats("e2", 5, 30, 0.9), 1)
+    event = json.loads(parse(hub.frame())["data"])
+    assert [e["address"] for e in event["engines"]] == ["/run/engine-0", "/run/engine-1"]
+    assert [e["stats"]["num_active"] for e in event["engines"]] == [3, 5]
+    merged = event["stats"]
+    assert merged["num_active"] == 8 and merged["kv_pressure"] == 0.2
+    assert merged["window"]["output_tokens_per_s"] == 80.0 and merged["window"]["ttft_p99_s"] == 0.9
+    state[1] = (False, None)  # the second engine goes down: its row says so, the sum drops it
+    event = json.loads(parse(hub.frame())["data"])
+    assert event["engines"][1]["up"] is False and event["engines"][1]["stats"] is None
+    assert event["stats"]["num_active"] == 3 and event["engine"]["up"] is True

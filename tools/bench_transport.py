@@ -103,8 +103,7 @@ def _next_payload(chan) -> bytes | None:
 
     from shared import shm
 
-    if isinstance(chan, shm.ShmChannel):
-        shm._drain_doorbell(chan.in_bell)
+    if isinstance(chan, shm.ShmChannel):  # its poll() drained the doorbell
         rec = chan.inbound.read()
         return None if rec is None else rec[3]
     try:

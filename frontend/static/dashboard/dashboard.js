@@ -69,7 +69,7 @@ function renderEngines() {
     const tr = document.createElement("tr");
     tr.dataset.engine = id;
     const r = e.runtime || {};
-    const cells = [id, null, e.restarts, r.device, r.dtype, r.torch_threads, r.backend, r.prefill_mode,
+    const cells = [e.label || id, null, e.restarts, r.device, r.dtype, r.torch_threads, r.backend, r.prefill_mode,
                    r.policy, e.transport, e.num_frontends, e.num_ticks];
     cells.forEach((v, i) => {
       const td = document.createElement("td");
@@ -104,17 +104,32 @@ function onStats(msg) {
   const s = msg.stats;
   $("conn").textContent = eng.up ? "engine up" : "engine down";
   $("conn").className = "badge " + (eng.up ? "up" : "down");
-  for (const e of engines.values()) e.up = false;   // only the current engine can be up
-  if (eng.engine_id || s) {
-    const id = (s && s.engine_id) || eng.engine_id;
-    const prev = engines.get(id) || {};
-    engines.set(id, Object.assign(prev, {
-      up: !!eng.up, restarts: eng.restarts,
-      transport: (msg.frontend || {}).transport,
-      runtime: s ? s.runtime : prev.runtime,
-      num_frontends: s ? s.num_frontends : prev.num_frontends,
-      num_ticks: s ? s.num_ticks : prev.num_ticks,
-    }));
+  if (msg.engines) {               // several engines: one row each, by address
+    for (const e of msg.engines) {
+      const st = e.stats;
+      const prev = engines.get(e.address) || {};
+      engines.set(e.address, Object.assign(prev, {
+        label: (e.engine_id || "–") + " @ " + e.address,
+        up: !!e.up, restarts: e.restarts,
+        transport: (msg.frontend || {}).transport,
+        runtime: st ? st.runtime : prev.runtime,
+        num_frontends: st ? st.num_frontends : prev.num_frontends,
+        num_ticks: st ? st.num_ticks : prev.num_ticks,
+      }));
+    }
+  } else {
+    for (const e of engines.values()) e.up = false;   // only the current engine can be up
+    if (eng.engine_id || s) {
+      const id = (s && s.engine_id) || eng.engine_id;
+      const prev = engines.get(id) || {};
+      engines.set(id, Object.assign(prev, {
+        up: !!eng.up, restarts: eng.restarts,
+        transport: (msg.frontend || {}).transport,
+        runtime: s ? s.runtime : prev.runtime,
+        num_frontends: s ? s.num_frontends : prev.num_frontends,
+        num_ticks: s ? s.num_ticks : prev.num_ticks,
+      }));
+    }
   }
   renderEngines();
   if (!s) {                       // engine down: gaps in every chart
