@@ -67,7 +67,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     problems = engine.problems() + [p for p in frontend_probe.problems() + serve.problems() if p not in engine.problems()]
     dp = serve.data_parallel_size
-    if dp > 1 and (engine.input_addr or engine.output_addr):
+    by_address = bool(engine.input_addr or engine.output_addr)
+    if dp > 1 and by_address:
         problems.append("--data-parallel-size engines listen in the run directory: give no --input-addr/--output-addr")
     if not problems:
         from engine_proc.engine import device_problems
@@ -87,6 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"tickserve: cannot listen on {frontend_probe.host}:{frontend_probe.port}: {exc.strerror or exc} "
               "(is another server running? set --port or PORT)", file=sys.stderr)
         return 2
+    if dp == 0:
+        dp = _auto_engines(engine, model_dir, by_address)
     own = not (engine.run_dir or (engine.input_addr and engine.output_addr))
     run_dir = engine.run_dir or tempfile.mkdtemp(prefix="tickserve-")
     engine_dirs = [run_dir] if dp == 1 else [os.path.join(run_dir, f"engine-{i}") for i in range(dp)]
@@ -105,8 +108,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     parts = (f"{serve.api_server_count} frontends, " if serve.api_server_count > 1 else "") + \
             (f"{dp} engines, " if dp > 1 else "")
     print(f"tickserve: starting {name} on http://{frontend_probe.host}:{frontend_probe.port} "
-          f"({parts}engine sockets in {run_dir}; Ctrl-C drains and stops)", flush=True)
+          f"({parts}engine sockets in {run_dir if dp == 1 else os.path.join(run_dir, f'engine-{{0..{dp - 1}}}')}; "
+          "Ctrl-C drains and stops)", flush=True)
     return Supervisor(engines, frontends, http_sock, run_dir, own, metrics_dir).run()
+
+
+def _auto_engines(engine: cfg.EngineConfig, model_dir: str, by_address: bool) -> int:
+    """``--data-parallel-size 0``: see :mod:`shared.placement`."""
+    import torch
+
+    from engine_proc.threads import usable_cpus
+    from shared.placement import auto_data_parallel_size
+
+    mps = getattr(torch.backends, "mps", None)
+    accelerator = torch.cuda.is_available() or bool(mps and mps.is_available())
+    return auto_data_parallel_size(device=engine.device, torch_threads=engine.torch_threads, cpus=usable_cpus(),
+                                   by_address=by_address, model_dir=model_dir, accelerator=accelerator)
 
 
 def cmd_cache(argv: list[str]) -> int:

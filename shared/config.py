@@ -237,11 +237,11 @@ class ServeConfig:
     """``tickserve serve``'s own settings (the supervisor process)."""
 
     api_server_count: int = _opt(1, "frontend processes sharing the HTTP port (vLLM: --api-server-count)")
-    data_parallel_size: int = _opt(1, "engine processes, each on its share of the CPUs (or a device) with its own KV pool; frontends route between them (vLLM: --data-parallel-size)")
+    data_parallel_size: int = _opt(0, "engine processes, each on its share of the CPUs (or a device) with its own KV pool; frontends route between them (vLLM: --data-parallel-size); 0 → auto: on a CPU, usable CPUs ÷ --torch-threads (one thread each when unset), at most 8 and as fit in half the free memory; 1 on a GPU")
 
     def problems(self) -> list[str]:
-        return [f"{name} must be at least 1" for name in ("api_server_count", "data_parallel_size")
-                if getattr(self, name) < 1]
+        out = [] if self.api_server_count >= 1 else ["api_server_count must be at least 1"]
+        return out + ([] if self.data_parallel_size >= 0 else ["data_parallel_size must be at least 0 (0: auto)"])
 
 
 DEVICES = ("auto", "cuda", "mps", "cpu")

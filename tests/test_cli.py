@@ -18,7 +18,7 @@ def test_serve_takes_the_model_positionally(tmp_path, tiny_model_dir):
     group = ProcessGroup(tmp_path)
     try:
         group.spawn(["-m", "shared.cli", "serve", str(tiny_model_dir), "--port", str(port),
-                     "--device", "cpu", "--torch-threads", "1", "--log-level", "warning"], "serve")
+                     "--device", "cpu", "--torch-threads", "1", "--data-parallel-size", "1", "--log-level", "warning"], "serve")
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base, timeout=120)
         status, body, _ = http_json(f"{base}/v1/models")

@@ -33,7 +33,7 @@ def served(tmp_path, tiny_model_dir):
     port = free_port()
     run_dir = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))
     proc = group.spawn(["-m", "shared.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
-                        "--device", "cpu", "--torch-threads", "1", "--run-dir", str(run_dir),
+                        "--device", "cpu", "--torch-threads", "1", "--data-parallel-size", "1", "--run-dir", str(run_dir),
                         "--log-level", "warning"], "serve")
     base = f"http://127.0.0.1:{port}"
     wait_healthy(base, 120)

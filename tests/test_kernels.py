@@ -92,6 +92,9 @@ def test_c_decode_attention_matches_torch(dtype, d, group, bs):
     assert (got.float() - want).abs().max().item() < TOL[dtype]
     c.num_threads = 1  # the same numbers on one thread
     assert torch.equal(got, c.decode_attention(q, cache.keys[0], cache.values[0], tables, lens_t, d ** -0.5))
+    c.num_threads = 5  # more threads than work items: some take empty runs of items
+    assert torch.equal(got[:1], c.decode_attention(q[:1], cache.keys[0], cache.values[0], tables[:1], lens_t[:1],
+                                                   d ** -0.5))
 
 
 @needs_c

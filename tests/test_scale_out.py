@@ -1,7 +1,8 @@
 """Scale-out on loopback with the tiny model: two engines behind two frontends (session
 affinity, load spill, an engine killed and brought back, aborts at the owner), several
-frontends on one port under ``tickserve serve`` (kill -9 of one, the totals of
-``/metrics``), and the Kubernetes inference gateway's metrics contract."""
+frontends and engines under ``tickserve serve`` (kill -9 of a frontend, the totals of
+``/metrics``), how many engines ``--data-parallel-size 0`` picks, and the Kubernetes
+inference gateway's metrics contract."""
 
 from __future__ import annotations
 
@@ -193,7 +194,7 @@ def served(tmp_path, tiny_model_dir):
     group = ProcessGroup(tmp_path)
     port = free_port()
     proc = group.spawn(["-m", "shared.cli", "serve", str(tiny_model_dir), "--port", str(port), "--device", "cpu",
-                        "--dtype", "float32", "--torch-threads", "1", "--api-server-count", "2",
+                        "--dtype", "float32", "--torch-threads", "1", "--api-server-count", "2", "--data-parallel-size", "2",
                         "--log-level", "warning"], "serve")
     base = f"http://127.0.0.1:{port}"
     try:
@@ -277,3 +278,36 @@ def test_metrics_meet_the_inference_gateway_contract(served):
     assert 'block_size="16"' in info and re.search(r'num_gpu_blocks="\d+"', info)
     assert elapsed < 5.0, elapsed  # 20 scrapes: a liveness bound, not a speed figure
     assert httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+# ---------------------------------------------------------------- how many engines auto starts
+
+
+def test_auto_data_parallel_size_splits_the_cores_within_memory(tmp_path, monkeypatch):
+    from shared import placement
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"\0" * 1000)
+    monkeypatch.setattr(placement, "available_memory_bytes", lambda: 10**9)
+    auto = lambda **kw: placement.auto_data_parallel_size(**{  # noqa: E731
+        "device": "auto", "torch_threads": 0, "cpus": 2, "by_address": False, "model_dir": model,
+        "accelerator": False, **kw})
+    assert auto() == 2  # one single-threaded engine per core
+    assert auto(torch_threads=2) == 1 and auto(cpus=8, torch_threads=2) == 4  # --torch-threads per engine
+    assert auto(cpus=64) == placement.MAX_AUTO_ENGINES
+    assert auto(accelerator=True) == 1 and auto(device="cuda") == 1 and auto(device="cpu", accelerator=True) == 2
+    assert auto(by_address=True) == 1  # placed by --input-addr/--output-addr: one engine
+    with open(model / "model.safetensors", "r+b") as f:  # weights that fit in half the memory once
+        f.truncate(4 * 10**8)
+    assert auto(cpus=8) == 1
+
+
+def test_serve_with_data_parallel_engines_reports_each(served):
+    proc, base = served
+    wait_for(lambda: stats(base)["num_engines_up"] == 2, 60, what="both engines up")
+    s = stats(base)
+    assert len(s["engines"]) == 2
+    assert all(e["runtime"]["torch_threads"] == 1 for e in s["engines"])
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "two engines", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

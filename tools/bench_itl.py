@@ -72,8 +72,9 @@ def parse_args(argv=None):
     ap.add_argument("--http-long-len", type=int, default=1600, help="HTTP: tokens in the long prompt")
     ap.add_argument("--http-tail-s", type=float, default=1.0,
                     help="HTTP: seconds after the long prompt's first token still in the window")
-    ap.add_argument("--http-server-args", default="",
-                    help="HTTP: extra flags for every `tickserve serve` (default context length otherwise)")
+    ap.add_argument("--http-server-args", default="--data-parallel-size 1",
+                    help="HTTP: extra flags for every `tickserve serve` (default context length otherwise; one "
+                         "engine, so the long prompt meets every stream)")
     ap.add_argument("--out", help="also write the JSON summary here")
     ap.add_argument("--plot", help="write a PNG of ITL over time, one line per mode")
     return ap.parse_args(argv)

@@ -1,7 +1,7 @@
 """Scaling out, measured in one run:
 
 1. **Engines** — output tokens/s at ``--streams`` (64) on the real model: one engine on
-   every core against ``--data-parallel-size 2`` (two engines, half the cores each),
+   every core (``--data-parallel-size 1``) against two engines on half the cores each,
    interleaved A/B/A/B (``tools/bench_compare.py``'s rounds).
 2. **Frontends** — HTTP throughput with ``--frontend-streams`` (256) short streams on
    the tiny random model, where the frontend (tokenizing, detokenizing, SSE) rather than
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     try:
         if not args.skip_engines:
-            got = compare(["dp1=", "dp2=--data-parallel-size 2"], args.streams, args.reps, [])
+            got = compare(["dp1=--data-parallel-size 1", "dp2=--data-parallel-size 2"], args.streams, args.reps, [])
             summary["engines"] = {"dp1": got["servers"]["dp1"]["levels"],
                                   "dp2": got["servers"]["dp2"]["levels"]}
         model = tiny_model_dir(root) if not (args.skip_frontends and args.skip_routing) else None
