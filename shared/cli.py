@@ -29,10 +29,18 @@ SERVE_SHARED = ("model", "run_dir", "input_addr", "output_addr", "log_level", "t
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (argparse's own error prints the whole
+    usage, dozens of lines for these commands) and exits 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (--help lists the flags)\n")
+
+
 def process_config(cls: type, prog: str, description: str, argv: list[str] | None):
     """Config of one process from its flags and ``TICKSERVE_*`` environment; sets up logging.
     A configuration that can never work ends the process here: one line on stderr, exit 2."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = OneLineParser(prog=prog, description=description)
     cfg.add_arguments(parser, cls)
     args = parser.parse_args(argv)
     try:
@@ -131,7 +139,7 @@ def cmd_cache(argv: list[str]) -> int:
     the per-clone copies of the older path-keyed layout."""
     from engine_proc import model_cache
 
-    parser = argparse.ArgumentParser(prog="tickserve cache", description=cmd_cache.__doc__)
+    parser = OneLineParser(prog="tickserve cache", description=cmd_cache.__doc__)
     parser.add_argument("action", nargs="?", choices=("list", "prune"), default="list")
     args = parser.parse_args(argv)
     root = model_cache.cache_root()
@@ -155,7 +163,7 @@ def _display(model: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tickserve", description=__doc__,
+    parser = OneLineParser(prog="tickserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="engine + frontend, supervised")

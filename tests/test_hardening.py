@@ -370,6 +370,9 @@ def test_bad_configuration_is_one_line_and_exit_2(args, says):
 def test_a_boolean_setting_is_strict():
     done = _cli("serve", "--prefix-caching", "maybe")
     assert done.returncode == 2 and "maybe" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # not argparse's whole usage
+    done = _cli("serve", "--no-such-flag")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     from shared import config as cfg
 
     with pytest.raises(ValueError, match="TICKSERVE_PREFIX_CACHING"):

@@ -30,9 +30,9 @@ Usage::
 ``NAME=VALUE`` words set the server's environment, e.g. ``OMP_WAIT_POLICY=PASSIVE``); with ``@GITREF``,
 from a worktree of that commit (made under a temporary directory and removed at the
 end), run by this virtualenv's Python. ``--vllm LABEL=FLAGS``: vLLM's OpenAI server from
-``--vllm-python`` (its own virtualenv; see ``../shared/design/PEERS.md``-style setup in
-``docs/benchmarks.md``) on the converted SmolLM2 directory, served under the same model
-name as tickserve. Servers listen on free loopback ports and are stopped on exit.
+``--vllm-python`` (its own virtualenv, ``~/vllm-venv`` by default; the README's
+"Real clients against tickserve" says how to make one) on the converted SmolLM2
+directory, served under the same model name as tickserve. Servers listen on free loopback ports and are stopped on exit.
 """
 
 from __future__ import annotations
