@@ -625,8 +625,10 @@ class Frontend:
     async def version(self, request: Request) -> Response:
         welcome = self.client.welcome
         runtime = msgspec.structs.asdict(welcome.runtime) if welcome and welcome.runtime else None
-        return JSONResponse({"version": VERSION, "runtime": runtime,
-                             "transport": self.client.transport_name})
+        members = getattr(self.client, "members", None) or []
+        return JSONResponse({"version": VERSION, "runtime": runtime, "transport": self.client.transport_name,
+                             "num_engines": max(1, len(members)),
+                             "num_engines_up": sum(1 for m in members if m.up) if members else int(self.client.is_up)})
 
     async def scheduler_stats(self, request: Request) -> Response:
         try:

@@ -59,6 +59,17 @@ def _fail(prog: str, message: str):
     raise SystemExit(2)
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now, or ``None`` (``make run`` asks first)."""
+    from shared.supervisor import listen
+
+    try:
+        listen(host, port, backlog=1).close()
+    except (OSError, OverflowError) as exc:
+        return f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}"
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Check everything, convert the model once, bind the HTTP port, then supervise the
     engines and frontends (:mod:`shared.supervisor`)."""

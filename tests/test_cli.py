@@ -48,3 +48,19 @@ def test_help_speaks_plainly():
     for internal in ("_pending", "_active", "_prefilling"):
         assert internal not in serve.stdout
     assert "MAX_QUEUE_SIZE" in serve.stdout and "wait" in serve.stdout
+
+
+def test_make_run_refuses_a_port_in_use_in_one_line(tmp_path):
+    """``make run``'s script checks the port before it starts anything."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        done = subprocess.run(["bash", str(REPO / "tools" / "run_and_demo.sh")], cwd=REPO, capture_output=True,
+                              text=True, timeout=60,
+                              env={**_env(), "PORT": str(port), "HOST": "127.0.0.1", "PY": sys.executable})
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stdout + done.stderr and "Traceback" not in done.stderr
+    assert "make run PORT=" in done.stderr
