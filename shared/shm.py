@@ -281,6 +281,19 @@ class Counters:
     overflow_out: int = 0
 
 
+def _socket_gone(sock: socket.socket, peer: str) -> str | None:
+    """Why the handshake socket says its peer is gone (an end of file or an error), or
+    ``None`` when it is alive; reads nothing (``MSG_PEEK``, non-blocking)."""
+    sock.settimeout(0)
+    try:
+        data = sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        return str(exc)
+    return None if data else f"{peer} closed its socket"
+
+
 class ShmPeer:
     """The engine's end of one frontend's connection (I/O thread only)."""
 
@@ -352,15 +365,9 @@ class ShmPeer:
 
     def check_socket(self) -> None:
         """The socket is readable: only an end of file may be there outside an overflow."""
-        self.sock.settimeout(0)
-        try:
-            data = self.sock.recv(1, socket.MSG_PEEK)
-        except BlockingIOError:
-            return
-        except OSError as exc:
-            raise PeerGone(str(exc)) from None
-        if not data:
-            raise PeerGone("the frontend closed its socket")
+        why = _socket_gone(self.sock, "the frontend")
+        if why:
+            raise PeerGone(why)
 
     def stats(self) -> dict:
         return {"carrier": "shm", "dropped": self.counters.dropped, "overflow_in": self.counters.overflow_in,
@@ -552,17 +559,10 @@ class ShmChannel:
         return Received(name, codec.decode(payload, "frontend"))
 
     def _check_socket(self) -> None:
-        self.sock.settimeout(0)
-        try:
-            data = self.sock.recv(1, socket.MSG_PEEK)
-        except BlockingIOError:
-            return
-        except OSError as exc:
+        why = _socket_gone(self.sock, "the engine")
+        if why:
             self.disconnect()
-            raise PeerGone(str(exc)) from None
-        if not data:
-            self.disconnect()
-            raise PeerGone("the engine closed its socket")
+            raise PeerGone(why)
 
     def reset_sequence(self) -> None:
         self._expected.clear()

@@ -143,3 +143,22 @@ def stats(base: str) -> dict:
     status, body, _ = http_json(f"{base}/scheduler/stats", timeout=5)
     assert status == 200, body
     return body
+
+
+def both_carriers():
+    """A module-scoped, autouse fixture that runs every test of the module that assigns it
+    (``carrier = both_carriers()``) twice: with ``TICKSERVE_TRANSPORT=shm`` and ``=zmq``,
+    which the engine (serve shared memory or not) and frontend processes it starts read."""
+    import pytest
+
+    @pytest.fixture(scope="module", params=["shm", "zmq"], autouse=True)
+    def carrier(request):
+        old = os.environ.get("TICKSERVE_TRANSPORT")
+        os.environ["TICKSERVE_TRANSPORT"] = request.param
+        yield request.param
+        if old is None:
+            os.environ.pop("TICKSERVE_TRANSPORT", None)
+        else:
+            os.environ["TICKSERVE_TRANSPORT"] = old
+
+    return carrier

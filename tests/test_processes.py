@@ -13,19 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import REPO, ProcessGroup, free_port, http_json, stats, wait_for, wait_healthy
+from tests.procs import both_carriers, REPO, ProcessGroup, free_port, http_json, stats, wait_for, wait_healthy
 
-@pytest.fixture(scope="module", params=["shm", "zmq"], autouse=True)
-def carrier(request):
-    """Every test here runs over both carriers: the processes it starts read
-    TICKSERVE_TRANSPORT (engine: serve shared memory or not; frontend: use it or not)."""
-    old = os.environ.get("TICKSERVE_TRANSPORT")
-    os.environ["TICKSERVE_TRANSPORT"] = request.param
-    yield request.param
-    if old is None:
-        os.environ.pop("TICKSERVE_TRANSPORT", None)
-    else:
-        os.environ["TICKSERVE_TRANSPORT"] = old
+carrier = both_carriers()  # every test here runs over shared memory and over ZeroMQ
 
 
 
