@@ -1,7 +1,8 @@
 """Does watching the dashboard slow the engine? Output tokens/s at C streams with 0 and
 with V open stats streams (what each open /dashboard holds), in the same run.
 
-Starts ``tickserve serve`` on the default model (or uses ``--url``), warms up, then runs
+Starts ``tickserve serve`` on the default model (or uses ``--url``), warms up (one level
+at the same concurrency, discarded), then runs
 three levels of the same load (``--concurrency`` streaming completions, ``--num-requests``
 of them, ``ignore_eos``, ``--max-tokens`` each, as ``tools/bench_http.py`` sends them):
 
@@ -40,10 +41,13 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, default=64, help="streams in flight")
     ap.add_argument("--num-requests", type=int, default=0, help="requests per level; 0 → 2 · concurrency")
-    ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (ignore_eos)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (ignore_eos)")
     ap.add_argument("--viewers", type=int, default=10, help="open stats streams in the middle level")
+    ap.add_argument("--prompt-words", type=int, default=130, help="random words per prompt (as bench_compare)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random-word prompts")
+    ap.add_argument("--model", default="", help="model name sent in each request; empty → none")
     ap.add_argument("--url", help="use this running server (loopback only)")
-    ap.add_argument("--server-args", default="--max-batch-size 64", help="extra flags for `tickserve serve`")
+    ap.add_argument("--server-args", default="", help="extra flags for `tickserve serve`")
     ap.add_argument("--startup-timeout", type=float, default=300)
     ap.add_argument("--request-timeout", type=float, default=300)
     ap.add_argument("--level-timeout", type=float, default=600)
@@ -72,6 +76,7 @@ async def run(url: str, args) -> dict:
         warm = await one_request(client, url, "Warm-up: say hello.", 8)
     if warm.get("error"):
         raise RuntimeError(f"warm-up failed: {warm['error']}")
+    await run_level(url, args.concurrency, args.concurrency, args)  # every engine warm, pools touched
     base = await run_level(url, args.concurrency, n, args)
     stop = asyncio.Event()
     counts = [0] * args.viewers
