@@ -326,8 +326,13 @@ class EngineServer:
             # disconnection are the ones that left.
             self._disconnect_check.append(time.monotonic() + 3 * interval)
 
-    def _frontend_gone(self, frontend_id: str) -> None:
-        """A frontend left (its connection closed): abort everything it submitted."""
+    def _frontend_gone(self, frontend_id: str, why: str = "") -> None:
+        """A frontend left (its connection closed): abort everything it submitted. Logged as
+        a warning unless it said goodbye first (a clean stop)."""
+        if why and frontend_id in self._frontends:
+            log.warning("frontend %s disconnected (%s): aborting its requests", frontend_id, why)
+        elif why:
+            log.info("frontend %s closed its connection after its goodbye", frontend_id)
         self._frontends.pop(frontend_id, None)
         self._inbox.put(_FrontendGone(frontend_id))
         self._wake.set()

@@ -41,9 +41,9 @@ class ShmFrontends:
         poller.register(self.listener.fileno(), zmq.POLLIN)
 
     def handle(self, events: dict, deadline: float, on_frame: Callable[[bytes, str], None],
-               on_gone: Callable[[str], None]) -> None:
+               on_gone: Callable[[str, str], None]) -> None:
         """React to this poll's events: accept, read frames (``on_frame(frame, frontend_id)``
-        until ``deadline``), retire peers whose socket closed (``on_gone(frontend_id)``)."""
+        until ``deadline``), retire peers whose socket closed (``on_gone(frontend_id, why)``)."""
         if self.listener.fileno() in events:
             self._accept(on_gone)
         for fd in [fd for fd in events if isinstance(fd, int) and fd in self._by_fd]:
@@ -57,12 +57,10 @@ class ShmFrontends:
                 else:
                     peer.check_socket()
             except shm.PeerGone as exc:
-                log.warning("frontend %s disconnected (shared memory: %s): aborting its requests",
-                            peer.frontend_id, exc)
                 self._retire(peer)
-                on_gone(peer.frontend_id)
+                on_gone(peer.frontend_id, f"shared memory: {exc}")
 
-    def _accept(self, on_gone: Callable[[str], None]) -> None:
+    def _accept(self, on_gone: Callable[[str, str], None]) -> None:
         for _ in range(16):
             peer = self.listener.accept()
             if peer is None:
@@ -70,7 +68,7 @@ class ShmFrontends:
             old = self.outbound.shm_peers.get(topic_for(peer.frontend_id))
             if old is not None:  # the same frontend again: its old connection is dead
                 self._retire(old)
-                on_gone(old.frontend_id)
+                on_gone(old.frontend_id, "connected again")
             bell, sock = peer.fds
             self._by_fd[bell] = (peer, "bell")
             self._by_fd[sock] = (peer, "sock")

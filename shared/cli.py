@@ -127,7 +127,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     parts = (f"{serve.api_server_count} frontends, " if serve.api_server_count > 1 else "") + \
             (f"{dp} engines, " if dp > 1 else "")
     print(f"tickserve: starting {name} on http://{frontend_probe.host}:{frontend_probe.port} "
-          f"({parts}engine sockets in {run_dir if dp == 1 else os.path.join(run_dir, f'engine-{{0..{dp - 1}}}')}; "
+          f"({parts}engine sockets in {', '.join(engine_dirs)}; "
           "Ctrl-C drains and stops)", flush=True)
     return Supervisor(engines, frontends, http_sock, run_dir, own, metrics_dir).run()
 
