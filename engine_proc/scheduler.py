@@ -153,8 +153,7 @@ class Scheduler:
         self.num_generated_tokens = 0
         self.num_finished = 0
         self.num_aborted = 0
-        self.num_rejected = 0
-        self.rejected_by_code: dict[str, int] = {}
+        self.rejected_by_code: dict[str, int] = {}  # hard rejects at admission, by reason
         self.num_ticks = 0
 
     # ------------------------------------------------------------------ entry points
@@ -256,7 +255,6 @@ class Scheduler:
             self._on_left_pending(req)
             if decision.verdict is AdmitVerdict.HARD_REJECT:
                 req.error = decision.reason.message
-                self.num_rejected += 1
                 code = decision.reason.code.value
                 self.rejected_by_code[code] = self.rejected_by_code.get(code, 0) + 1
                 self._finish(req, RequestStatus.FINISHED_ERROR)
@@ -581,7 +579,7 @@ class Scheduler:
             "num_generated_tokens": self.num_generated_tokens,
             "num_finished": self.num_finished,
             "num_aborted": self.num_aborted,
-            "num_rejected": self.num_rejected,
+            "num_rejected": sum(self.rejected_by_code.values()),
             "rejected_by_code": dict(self.rejected_by_code),
             "num_ticks": self.num_ticks,
             **self.policy.snapshot(),

@@ -162,3 +162,60 @@ def both_carriers():
             os.environ["TICKSERVE_TRANSPORT"] = old
 
     return carrier
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (Linux ``/proc``); empty once it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(x) for x in fh.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
+
+
+def children_running(serve_pid: int, module: str) -> list[int]:
+    """The children of a ``tickserve serve`` that run ``python -m module``."""
+    return [c for c in children(serve_pid) if f"-m {module}" in cmdline(c)]
+
+
+def child_running(serve_pid: int, module: str) -> int | None:
+    found = children_running(serve_pid, module)
+    return found[0] if found else None
+
+
+def start_stack(tmp: Path, model_dir: Path, run: Path, frontend_options: dict | None = None,
+                **engine_options) -> tuple[ProcessGroup, str]:
+    """An engine on ``run`` and one frontend, healthy: ``(group, base URL)``; their logs
+    in the assertion if they do not start within 120 s."""
+    group = ProcessGroup(tmp)
+    group.engine(model_dir, run, **engine_options)
+    port = free_port()
+    group.frontend(model_dir, run, port, **(frontend_options or {}))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, 120)
+    except TimeoutError:
+        group.close()
+        raise AssertionError("stack did not start:\n" + "\n".join(pr.output()[-3000:] for pr in group.procs))
+    return group, base
+
+
+def two_frontends(group: ProcessGroup, model_dir: Path, run: Path, **engine_options) -> tuple[Proc, str, str]:
+    """An engine on ``run`` and two frontends on it, both healthy: ``(first frontend,
+    its URL, the second's URL)``."""
+    group.engine(model_dir, run, **engine_options)
+    pa, pb = free_port(), free_port()
+    fa = group.frontend(model_dir, run, pa)
+    group.frontend(model_dir, run, pb)
+    a, b = f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
+    wait_healthy(a)
+    wait_healthy(b)
+    return fa, a, b

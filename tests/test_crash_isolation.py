@@ -17,35 +17,13 @@ import httpx
 import pytest
 import zmq
 
-from tests.procs import both_carriers, ProcessGroup, free_port, stats, wait_for, wait_healthy
+from tests.procs import (ProcessGroup, both_carriers, child_running, children, free_port, stats, two_frontends, wait_for,
+                         wait_healthy)
 
 carrier = both_carriers()  # every test here runs over shared memory and over ZeroMQ
 
 
 LONG = {"prompt": "keep going", "max_tokens": 1800, "ignore_eos": True, "stream": True}
-
-
-def children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as fh:
-            return [int(x) for x in fh.read().split()]
-    except FileNotFoundError:
-        return []
-
-
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode()
-    except FileNotFoundError:
-        return ""
-
-
-def child_running(serve_pid: int, module: str) -> int | None:
-    for c in children(serve_pid):
-        if f"-m {module}" in cmdline(c):
-            return c
-    return None
 
 
 def alive(pid: int) -> bool:
@@ -151,13 +129,7 @@ def test_frontend_death_aborts_its_requests_in_the_engine(tmp_path, tiny_model_d
     group = ProcessGroup(tmp_path)
     run = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))
     try:
-        group.engine(tiny_model_dir, run, frontend_timeout_s=1.0)
-        port_a, port_b = free_port(), free_port()
-        fa = group.frontend(tiny_model_dir, run, port_a)
-        group.frontend(tiny_model_dir, run, port_b)
-        a, b = f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"
-        wait_healthy(a)
-        wait_healthy(b)
+        fa, a, b = two_frontends(group, tiny_model_dir, run, frontend_timeout_s=1.0)
         events: list = []
         started, done = threading.Event(), threading.Event()
         threading.Thread(target=_stream_events, args=(a, LONG, events, started, done), daemon=True).start()

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.browser import headless_chromium
-from tests.procs import ProcessGroup, free_port, stats, wait_for, wait_healthy
+from tests.procs import ProcessGroup, child_running, free_port, stats, wait_for, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -48,19 +48,6 @@ def browser():
     driver.set_page_load_timeout(30)
     yield driver
     driver.quit()
-
-
-def engine_pid(serve_pid: int) -> int | None:
-    try:
-        with open(f"/proc/{serve_pid}/task/{serve_pid}/children") as fh:
-            kids = [int(x) for x in fh.read().split()]
-    except FileNotFoundError:
-        return None
-    for pid in kids:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            if b"engine_proc" in fh.read():
-                return pid
-    return None
 
 
 def text(driver, element_id: str) -> str:
@@ -126,7 +113,7 @@ def test_dashboard_follows_load_and_engine_restart_without_leaving_the_host(serv
             "return [...document.querySelectorAll('#sessions tbody tr td:first-child')].map(td => td.textContent)")
         assert set(sessions) & {"s0", "s1", "s2"}
 
-        pid = engine_pid(proc.popen.pid)
+        pid = child_running(proc.popen.pid, "engine_proc")
         assert pid
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: text(browser, "conn") == "engine down" and engine_state(browser)[0] != "up",

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from shared import codec
 from shared import protocol as p
-from tests.procs import REPO, ProcessGroup, _env, free_port, http_json, stats, wait_for, wait_healthy
+from tests.procs import REPO, ProcessGroup, _env, free_port, http_json, stats, two_frontends, wait_for, wait_healthy
 
 
 def _baseline(s: dict) -> bool:
@@ -313,13 +313,7 @@ def test_a_killed_frontend_is_noticed_at_once_not_at_its_heartbeat_timeout(tmp_p
     group = ProcessGroup(tmp_path)
     run = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))
     try:
-        group.engine(tiny_model_dir, run, frontend_timeout_s=30.0)
-        pa, pb = free_port(), free_port()
-        fa = group.frontend(tiny_model_dir, run, pa)
-        group.frontend(tiny_model_dir, run, pb)
-        a, b = f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
-        wait_healthy(a)
-        wait_healthy(b)
+        fa, a, b = two_frontends(group, tiny_model_dir, run, frontend_timeout_s=30.0)
         stream = httpx.stream("POST", f"{a}/v1/completions", json={"prompt": "long", "max_tokens": 1800,
                                                                     "ignore_eos": True, "stream": True}, timeout=60)
         resp = stream.__enter__()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import both_carriers, REPO, ProcessGroup, free_port, http_json, stats, wait_for, wait_healthy
+from tests.procs import REPO, both_carriers, http_json, start_stack, stats, wait_for
 
 carrier = both_carriers()  # every test here runs over shared memory and over ZeroMQ
 
@@ -28,16 +27,7 @@ def run_dir():
 
 def _stack(tmp: Path, model_dir: Path, **engine_options):
     run = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))
-    group = ProcessGroup(tmp)
-    group.engine(model_dir, run, **engine_options)
-    port = free_port()
-    group.frontend(model_dir, run, port)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, 120)
-    except TimeoutError:
-        group.close()
-        raise AssertionError("stack did not start:\n" + "\n".join(p.output()[-3000:] for p in group.procs))
+    group, base = start_stack(tmp, model_dir, run, **engine_options)
     return group, run, base
 
 

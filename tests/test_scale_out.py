@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from frontend.router import BalancePolicy, affinity_key, choose, rendezvous_order
-from tests.procs import ProcessGroup, free_port, http_json, stats, wait_for, wait_healthy
+from tests.procs import ProcessGroup, children_running, free_port, http_json, stats, wait_for, wait_healthy
 
 
 # ---------------------------------------------------------------- the router alone
@@ -258,10 +258,18 @@ def test_metrics_meet_the_inference_gateway_contract(served):
     next(lines)
     time.sleep(0.6)  # a stats broadcast or two
     text = httpx.get(f"{base}/metrics", timeout=10).text  # while the stream runs
-    t0 = time.monotonic()
-    for _ in range(20):
-        httpx.get(f"{base}/metrics", timeout=10)
-    elapsed = time.monotonic() - t0
+    # cheap to scrape: no round trip to an engine. With every engine stopped (SIGSTOP),
+    # 20 scrapes still answer, with the gauges, from the last broadcasts
+    engines = children_running(proc.popen.pid, "engine_proc")
+    assert len(engines) == 2
+    for pid in engines:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        while_stopped = [httpx.get(f"{base}/metrics", timeout=10) for _ in range(20)]
+    finally:
+        for pid in engines:
+            os.kill(pid, signal.SIGCONT)
+    assert all(r.status_code == 200 and "tickserve:num_requests_running " in r.text for r in while_stopped)
     stream.__exit__(None, None, None)
     types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
     for name in GAUGES | {"tickserve:cache_config_info"}:
@@ -276,7 +284,6 @@ def test_metrics_meet_the_inference_gateway_contract(served):
     assert running >= 1
     info = next(line for line in series if line.startswith("tickserve:cache_config_info{"))
     assert 'block_size="16"' in info and re.search(r'num_gpu_blocks="\d+"', info)
-    assert elapsed < 5.0, elapsed  # 20 scrapes: a liveness bound, not a speed figure
     assert httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
 
 

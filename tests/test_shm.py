@@ -19,10 +19,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import codec, shm
+from shared import shm
 from shared import protocol as p
 from shared.transport import topic_for
-from tests.procs import REPO, ProcessGroup, _env, free_port, http_json, stats, wait_for, wait_healthy
+from tests.procs import REPO, ProcessGroup, _env, free_port, http_json, start_stack, stats, wait_for, wait_healthy
 
 pytestmark = pytest.mark.skipif(shm.available() is not None, reason=f"no shared memory here: {shm.available()}")
 
@@ -75,17 +75,7 @@ def test_a_corrupted_record_header_is_counted_and_skipped():
 
 
 def _stack(tmp: Path, model_dir: Path, run: Path, transport: str = "auto", **engine_options):
-    group = ProcessGroup(tmp)
-    group.engine(model_dir, run, **engine_options)
-    port = free_port()
-    group.frontend(model_dir, run, port, transport=transport)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base, 120)
-    except TimeoutError:
-        group.close()
-        raise AssertionError("stack did not start:\n" + "\n".join(pr.output()[-3000:] for pr in group.procs))
-    return group, base
+    return start_stack(tmp, model_dir, run, {"transport": transport}, **engine_options)
 
 
 def _baseline(s: dict) -> bool:

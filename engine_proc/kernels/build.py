@@ -104,24 +104,36 @@ def build(shape: KernelShape) -> Path:
     if cc is None:
         raise KernelsUnavailable("no C compiler (cc or gcc) on PATH")
     path = library_path(shape, cc)
-    if path.exists():
-        return path
+    if not path.exists():
+        _compile(path, "the C kernels", lambda out: [cc, *CFLAGS, *shape.defines(), str(SOURCE), "-o", out, "-lm"],
+                 timeout=300)
+        log.info("built the C kernels for %s into %s", shape, path)
+    return path
+
+
+def _compile(path: Path, what: str, command, source: str | None = None, timeout: float = 120) -> None:
+    """Run ``command(output)`` into a temporary file beside ``path`` and rename it into
+    place (so two processes building at once both end with one complete library);
+    ``source``, if given, is written to a temporary ``.c`` file first and
+    ``command(output, source_file)`` gets its name. Raises :class:`KernelsUnavailable`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".build-", suffix=".so")
     os.close(fd)
-    cmd = [cc, *CFLAGS, *shape.defines(), str(SOURCE), "-o", tmp, "-lm"]
+    src = tmp[:-3] + ".c"
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if source is not None:
+            Path(src).write_text(source)
+        cmd = command(tmp) if source is None else command(tmp, src)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
-            raise KernelsUnavailable(f"building the C kernels failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+            raise KernelsUnavailable(f"building {what} failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
         os.replace(tmp, path)
     except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelsUnavailable(f"building the C kernels failed: {exc}") from None
+        raise KernelsUnavailable(f"building {what} failed: {exc}") from None
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("built the C kernels for %s into %s", shape, path)
-    return path
+        for leftover in (tmp, src):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
 
 
 def build_source(name: str, source: str) -> Path:
@@ -132,8 +144,9 @@ def build_source(name: str, source: str) -> Path:
         raise KernelsUnavailable("no C compiler (cc or gcc) on PATH")
     h = hashlib.sha256(f"{source}\0{_compiler_version(cc)}\0{platform.machine()}".encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"{name}-{h}.so"
-    if path.exists():
-        return path
+    if not path.exists():
+        _compile(path, name, lambda out, src: [cc, "-O2", "-fPIC", "-shared", src, "-o", out], source=source)
+    return path
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".build-", suffix=".so")
     os.close(fd)
