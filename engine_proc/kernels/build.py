@@ -147,24 +147,6 @@ def build_source(name: str, source: str) -> Path:
     if not path.exists():
         _compile(path, name, lambda out, src: [cc, "-O2", "-fPIC", "-shared", src, "-o", out], source=source)
     return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".build-", suffix=".so")
-    os.close(fd)
-    src = tmp[:-3] + ".c"
-    try:
-        Path(src).write_text(source)
-        proc = subprocess.run([cc, "-O2", "-fPIC", "-shared", src, "-o", tmp], capture_output=True, text=True,
-                              timeout=120)
-        if proc.returncode != 0:
-            raise KernelsUnavailable(f"building {name} failed: {proc.stderr[-1000:]}")
-        os.replace(tmp, path)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelsUnavailable(f"building {name} failed: {exc}") from None
-    finally:
-        for leftover in (tmp, src):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
-    return path
 
 
 _P = ctypes.c_void_p
