@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from engine_proc.backends.base import cpu_has_native_bf16, pick_dtype
 from engine_proc.backends.llama_runner import Linear, rope_table
+from engine_proc.backends.prefill_attention import (KERNEL_PROBES, MATMUL_PROBES, SDPA_ONLY, PrefillAttentionPlan,
+                                                    matmul_attention, measure, sdpa_attention)
 from engine_proc.kernels import CKernels, TorchKernels, select_kernels
 from engine_proc.kernels.build import KernelsUnavailable, compiler
 from engine_proc.kv_cache import PagedKVCache, gather_blocks, write_slots
@@ -159,6 +161,40 @@ def test_c_norm_silu_argmax_match_torch(dtype):
     assert torch.equal(c.argmax(logits), logits.argmax(-1)) and c.argmax(logits)[2].item() == 10
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,start,group", [(7, 0, 3), (5, 11, 3), (16, 40, 1), (1, 9, 2)])
+def test_prefill_attention_paths_match_a_float64_reference(dtype, n, start, group):
+    """Queries at positions [start, start + n) over start + n keys, causal, grouped-query
+    heads: the matmul path and SDPA agree with the obvious per-head float64 softmax."""
+    kvh, d = 2, 16
+    heads, length = kvh * group, start + n
+    g = torch.Generator().manual_seed(n * 100 + start)
+    q, k, v = (torch.randn(shape, generator=g).to(dtype) for shape in [(heads, n, d), (kvh, length, d), (kvh, length, d)])
+    scores = torch.einsum("hnd,hld->hnl", q.double(), k.double().repeat_interleave(group, 0)) * d ** -0.5
+    future = torch.arange(length)[None, :] > torch.arange(start, length)[:, None]
+    want = torch.einsum("hnl,hld->hnd", scores.masked_fill(future, float("-inf")).softmax(-1),
+                        v.double().repeat_interleave(group, 0))
+    for path in (matmul_attention, sdpa_attention):
+        got = path(q, k, v, start, d ** -0.5)
+        assert got.shape == (heads, n, d)
+        assert (got.double() - want).abs().max().item() < 10 * TOL[dtype], path.__name__
+
+
+@needs_c
+def test_prefill_attention_plan_is_measured_from_its_probes():
+    """The thresholds come from the probe shapes (0 or a probe's query-key pairs); a pool
+    too small for a probe stops the search there; torch kernels measure nothing."""
+    kernels = select_kernels(torch.device("cpu"), torch.float32, 16, 2, 16, "c")
+    plan = measure(kernels, _cache(300, 16, 2, 16, torch.float32), heads=4, head_dim=16)
+    assert plan.kernel_pairs in {0} | {int(n * (s + n / 2)) for n, s in KERNEL_PROBES}
+    assert plan.matmul_pairs in {0} | {n * (s + n) for n, s in MATMUL_PROBES}
+    assert plan.measured_ms > 0
+    small = measure(kernels, _cache(2, 16, 2, 16, torch.float32), heads=4, head_dim=16)  # 32 tokens fit
+    assert small.kernel_pairs <= 32 * 16 and small.matmul_pairs <= 32 * 64
+    assert measure(TorchKernels(16, 2, 16), _cache(300, 16, 2, 16, torch.float32), 4, 16) is SDPA_ONLY
+    assert plan.uses_kernel(1, 0) == (plan.kernel_pairs > 0) and not SDPA_ONLY.uses_matmul(1, 1)
+
+
 def test_kv_layout_round_trip():
     cache = PagedKVCache(1, 6, 4, 2, 8, torch.float32, torch.device("cpu"))
     slots = torch.tensor([0, 5, 6, 13, 23])
@@ -212,14 +248,28 @@ def test_rope_table_is_the_models_rotary_embedding(tiny_llama):
     assert torch.allclose(table[:, :8], cos[0, :, :8]) and torch.allclose(table[:, 8:], sin[0, :, :8])
 
 
+PREFILL_PATHS = {"kernel": PrefillAttentionPlan(kernel_pairs=1 << 40), "matmul": PrefillAttentionPlan(matmul_pairs=1 << 40),
+                 "sdpa": SDPA_ONLY, "measured": None}
+
+
 @needs_c
+@pytest.mark.parametrize("path", sorted(PREFILL_PATHS))
 @pytest.mark.parametrize("mode", ["chunked", "mixed_batch"])
-def test_runner_on_c_kernels_matches_transformers(tiny_llama, mode):
+def test_runner_on_c_kernels_matches_transformers(tiny_llama, mode, path, monkeypatch):
     """Block size 16 and the tiny Llama's head_dim 16: the C kernels run. Rows joining and
     leaving, sharing a prefix, mixed with prefill: every step's logits equal transformers'
-    teacher-forced forward."""
+    teacher-forced forward, whichever path prefill attention takes (``measured``: the
+    plan the backend measured at construction); a forced path is the one taken."""
+    from engine_proc.backends import llama_runner
+
     sched = make_scheduler(tiny_llama, kv_block_size=16, prefill_mode=mode, prefill_chunk_size=24)
     assert sched.backend.kernels.name == "c" and sched.backend.runner is not None
+    calls = {"matmul": 0, "sdpa": 0}
+    for name, fn in (("matmul", matmul_attention), ("sdpa", sdpa_attention)):
+        monkeypatch.setattr(llama_runner, f"{name}_attention",
+                            lambda *a, _fn=fn, _name=name: calls.__setitem__(_name, calls[_name] + 1) or _fn(*a))
+    if PREFILL_PATHS[path] is not None:
+        sched.backend.runner.prefill_plan = PREFILL_PATHS[path]
     rng = random.Random(3)
     system = [rng.randrange(3, 49152) for _ in range(40)]
     prompts = [(system if i % 2 else []) + [rng.randrange(3, 49152) for _ in range(5 + 9 * i)] for i in range(6)]
@@ -229,6 +279,8 @@ def test_runner_on_c_kernels_matches_transformers(tiny_llama, mode):
         toks = tokens_of(outs[req.request_id])
         assert len(toks) == req.params.max_tokens
         assert_matches_reference(tiny_llama, req.prompt_token_ids, toks, sched.backend.logits[req.request_id])
+    if path != "measured":
+        assert {k for k, v in calls.items() if v} == ({path} if path != "kernel" else set()), calls
 
 
 @needs_c

@@ -10,7 +10,8 @@ matmuls themselves. This runner reads the same weights and does, per layer::
     h   = rms_norm(x + residual)                      kernels.add_rms_norm   (fused)
     qkv = h @ W_qkvᵀ                                  one matmul (Q, K, V fused)
     rope(q, k); k, v → cache slots                    kernels.rope_write_kv  (fused)
-    a   = attention(q, paged KV)                      kernels.decode_attention / SDPA per prefill row
+    a   = attention(q, paged KV)                      kernels.decode_attention; per prefill segment the
+                                                      path measured at start-up (prefill_attention.py)
     x   = a @ W_oᵀ
     h   = rms_norm(x + residual)                      kernels.add_rms_norm
     x   = silu(h @ W_gateᵀ) · (h @ W_upᵀ) @ W_downᵀ    one matmul (gate, up fused) + kernels.silu_and_mul
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine_proc.backends.prefill_attention import SDPA_ONLY, PrefillAttentionPlan, matmul_attention, sdpa_attention
 from engine_proc.kernels import TorchKernels
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -162,6 +164,8 @@ class LlamaRunner:
                 Linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), pack_weights)))
         self.packed = all(lin.packed is not None for layer in self.layers for lin in (layer.qkv, layer.o))
         self.cos_sin = rope_table(inner.rotary_emb, max_model_len, self.head_dim, self.embed.device)
+        # which path each prefill segment's attention takes (measured by the backend)
+        self.prefill_plan: PrefillAttentionPlan = SDPA_ONLY
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, decode, prefill,
@@ -205,12 +209,6 @@ class LlamaRunner:
         last.add_(x.index_select(0, keep))
         return self.lm_head(kern.add_rms_norm(last, None, self.norm, self.norm_eps))
 
-    PREFILL_KERNEL_WORK = 1 << 16
-    """Query-key pairs (``n · (start + n/2)``) up to which a prefill segment's attention
-    runs on the decode kernel, one query token per "row" (measured: a 130-token prompt in
-    about half the time of two matmuls around a softmax, which pay off only for longer
-    segments)."""
-
     def _split_prefill(self, prefill, offset: int):
         """Short segments for the decode kernel — ``(rows [Tk] in the sequence, block tables
         [Tk, W] int32, lengths [Tk] int32)`` with token ``j`` of a segment at ``start`` seeing
@@ -219,7 +217,7 @@ class LlamaRunner:
             return None, list(range(len(prefill.segments)))
         rows, tables, lens, large = [], [], [], []
         for i, (off, n, start) in enumerate(prefill.segments):
-            if n * (start + n / 2) > self.PREFILL_KERNEL_WORK:
+            if not self.prefill_plan.uses_kernel(n, start):
                 large.append(i)
                 continue
             rows.append(torch.arange(offset + off, offset + off + n))
@@ -238,39 +236,9 @@ class LlamaRunner:
             off, n, start = prefill.segments[i]
             k, v = self.cache.gather_row(layer, prefill.row_blocks(i), prefill.seq_lens[i])  # [kv_heads, L, D]
             qs = q[offset + off: offset + off + n].view(n, self.heads, d).transpose(0, 1)  # [heads, n, D]
-            o = causal_attention(qs, k, v, start, self.scale)
+            path = matmul_attention if self.prefill_plan.uses_matmul(n, start + n) else sdpa_attention
+            o = path(qs, k, v, start, self.scale)
             out[offset + off: offset + off + n] = o.transpose(0, 1).reshape(n, self.heads * d)
-
-
-SMALL_ATTENTION = 1 << 20
-"""``n · L`` up to which :func:`causal_attention` materialises the scores (measured on a
-CPU: for a 130-token prompt, two matmuls around a float32 softmax took 0.43× the time of
-SDPA's flash kernel, which pays off only for long rows)."""
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """Queries ``q`` ``[heads, n, D]`` at positions ``[start, start + n)`` over keys and
-    values ``[kv_heads, L, D]`` (``L = start + n``), causal: ``[heads, n, D]``.
-
-    Small problems: grouped-query heads folded into the query axis
-    (``[kv_heads, group · n, D]``), scores ``[kv_heads, group · n, L]`` in float32 with the
-    causal mask, softmax, then ``· V`` — no K/V repetition. Large ones: SDPA."""
-    heads, n, d = q.shape
-    kv_heads, length = k.shape[0], k.shape[1]
-    if n * length > SMALL_ATTENTION:
-        if start == 0:
-            return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
-                                                  enable_gqa=heads != kv_heads)[0]
-        mask = torch.arange(length, device=q.device)[None, :] <= torch.arange(start, start + n, device=q.device)[:, None]
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
-                                              enable_gqa=heads != kv_heads)[0]
-    group = heads // kv_heads
-    scores = torch.matmul(q.reshape(kv_heads, group * n, d), k.transpose(1, 2)).float()
-    scores = scores.view(kv_heads, group, n, length)
-    future = torch.arange(length, device=q.device)[None, :] > torch.arange(start, start + n, device=q.device)[:, None]
-    scores.mul_(scale).masked_fill_(future, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(kv_heads, group * n, length)
-    return torch.matmul(probs, v).view(heads, n, d)
 
 
 def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:

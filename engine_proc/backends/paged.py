@@ -298,6 +298,7 @@ class PagedBackend(Backend):
         NotImplementedError for a model whose attention this backend would get wrong,
         and KernelsUnavailable for ``kernels="c"`` where they cannot be built."""
         from engine_proc.backends.llama_runner import LlamaRunner, unsupported_reason
+        from engine_proc.backends.prefill_attention import measure as measure_prefill_attention
 
         config = model.config
         _check_supported(config, max_model_len)
@@ -326,6 +327,9 @@ class PagedBackend(Backend):
         self.threads = threads if self.device.type == "cpu" else None
         if self.threads is not None:
             self.threads.kernels = self.kernels
+        if self.runner is not None:
+            self.runner.prefill_plan = measure_prefill_attention(self.kernels, self.cache, heads, head_dim,
+                                                                 self.threads)
         self._rows: dict[str, _Row] = {}
         self._decode: list[str] = []  # decode batch order
 
