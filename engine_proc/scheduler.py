@@ -33,7 +33,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from engine_proc.backends.base import Backend, PrefillChunk
+from engine_proc.backends.base import Backend, PrefillChunk, affordable_prompt_tokens, prompt_chunk_cost
 from engine_proc.prompt_logprobs import score_chunk, wants_prompt_logprobs
 from engine_proc.block_pool import BlockPool, PrefixMatch
 from engine_proc.gates import Limits, never_fits
@@ -322,21 +322,24 @@ class Scheduler:
             if self._isolated(req, self._after_prefill, req, end, row_logits):
                 self._prefilling.remove(req)
 
-    def _plan_prefill(self, budget: int) -> list[tuple[Request, int, int]]:
+    def _plan_prefill(self, budget: int, pairs_per_token: float | None = None) -> list[tuple[Request, int, int]]:
         """``(request, start, end)`` prompt ranges for this tick within ``budget`` tokens,
-        oldest row first."""
+        oldest row first. With ``pairs_per_token`` (mixed_batch) a chunk is charged its
+        attention too (:func:`~engine_proc.backends.base.prompt_chunk_cost`), so a chunk
+        deep in a long prompt is shorter and the tick's cost stays level."""
         plan: list[tuple[Request, int, int]] = []
+        left = float(budget)
         for req in self._prefilling:
-            if budget <= 0:
+            if left < 1:
                 break
             if self._reuses_prefix(req) and req.num_computed_tokens == req.num_cached_tokens:
                 self._late_prefix_hit(req)  # cached tokens do not spend the budget
                 if plan and self._shares_pending_blocks(req, plan):
                     break  # next tick it reuses what this pass computes instead of redoing it
             start = req.num_computed_tokens
-            end = min(req.prompt_len, start + budget)
+            end = min(req.prompt_len, start + affordable_prompt_tokens(start, left, pairs_per_token))
             plan.append((req, start, end))
-            budget -= end - start
+            left -= prompt_chunk_cost(start, end - start, pairs_per_token)
         return plan
 
     def _shares_pending_blocks(self, req: Request, plan: list[tuple[Request, int, int]]) -> bool:
@@ -471,7 +474,7 @@ class Scheduler:
         bad prompt fails only its own row.
         """
         rows = list(self._active)
-        plan = self._plan_prefill(self.token_budget - len(rows))
+        plan = self._plan_prefill(self.token_budget - len(rows), self.backend.pairs_per_token)
         if not plan:
             self.decode_step()
             return

@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from engine_proc.backends.base import affordable_prompt_tokens, prompt_chunk_cost
 from engine_proc.backends.paged import PagedBackend
 
 from engine_proc.request import RequestStatus
@@ -92,6 +93,7 @@ def test_decode_rows_advance_every_tick_in_one_pass_while_a_long_prompt_prefills
     budget leaves (budget − 3 decode rows)."""
     budget = 40
     sched = _sched(tiny_llama, "mixed_batch", max_num_batched_tokens=budget)
+    sched.backend.pairs_per_token = None  # tokens only; the attention charge has its own test
     streams = [make_request(_tokens(60 + i, 6), max_tokens=200, ignore_eos=True) for i in range(3)]
     for s in streams:
         sched.add_request(s)
@@ -126,6 +128,7 @@ def test_budget_never_exceeded_and_spent_when_prompts_wait(tiny_llama, passes):
     budget = 20
     sched = _sched(tiny_llama, "mixed_batch", max_num_batched_tokens=budget, max_batch_size=6,
                    kv_num_blocks=120)
+    sched.backend.pairs_per_token = None  # tokens only; the attention charge has its own test
     reqs = []
     for tick in range(100):
         if rng.random() < 0.35:
@@ -156,6 +159,41 @@ def test_budget_never_exceeded_and_spent_when_prompts_wait(tiny_llama, passes):
     for req in finished[::3]:
         assert_matches_reference(tiny_llama, req.prompt_token_ids, req.output_token_ids,
                                  sched.backend.logits[req.request_id])
+
+
+def test_prompt_chunks_are_charged_their_attention(tiny_llama, passes):
+    """With the backend's pairs_per_token, a chunk costs its tokens plus its attention
+    pairs over that ratio: deep in a long prompt the chunks get shorter, each tick's
+    prompt cost fits what the decode rows leave, and one token more would not have."""
+    budget = 60
+    sched = _sched(tiny_llama, "mixed_batch", max_num_batched_tokens=budget, max_model_len=1024,
+                   kv_num_blocks=2048 // BS)
+    k = sched.backend.pairs_per_token
+    assert k == pytest.approx((64 * 64 * 2 + 64 * 32 * 2 + 64 * 128 * 3) / (2 * 4 * 16))  # tiny Llama's shapes
+    stream = make_request(_tokens(90, 6), max_tokens=400, ignore_eos=True)
+    sched.add_request(stream)
+    for _ in range(5):
+        sched.step()
+    assert stream.status is RequestStatus.RUNNING
+    long = make_request(_tokens(91, 600), max_tokens=2, ignore_eos=True)
+    sched.add_request(long)
+    chunks = []
+    for _ in range(200):
+        if long.output_token_ids:
+            break
+        start = long.num_computed_tokens
+        del passes.tokens[:]
+        sched.step()
+        n = long.num_computed_tokens - start
+        chunks.append(n)
+        assert len(passes.tokens) == 1 and passes.tokens[0] == n + 1
+        assert prompt_chunk_cost(start, n, k) <= budget - 1
+        if start + n < 600:
+            assert prompt_chunk_cost(start, n + 1, k) > budget - 1
+    assert sum(chunks) == 600
+    assert chunks[-2] < chunks[0] / 2, chunks  # 500 tokens in: well under half the first chunk
+    assert affordable_prompt_tokens(0, 0.5, k) == 0 and affordable_prompt_tokens(10**6, 1, k) == 1
+    assert affordable_prompt_tokens(7, 33, None) == 33
 
 
 def test_first_token_streamed_when_it_ends_the_request(tiny_llama):

@@ -132,8 +132,11 @@ def run_mode(model, args, mode: str, chunk: int, deadline: bc.Deadline, tail_tic
     name = mode_name(mode, budget or chunk)
     vocab = model.config.vocab_size
     rng = random.Random(args.seed)  # same prompts in every mode
+    # mixed_batch charges a chunk its attention (docs/scheduler.md): count the ticks in cost
+    from engine_proc.backends.base import prompt_chunk_cost
+    mixed_cost = prompt_chunk_cost(0, args.long_len, sched.backend.pairs_per_token)
     prefill_ticks = {"monolithic": 1, "chunked": -(-args.long_len // max(chunk, 1))}.get(
-        mode, -(-args.long_len // max(budget - args.streams, 1)))
+        mode, int(mixed_cost // max(budget - args.streams, 1)) + 2)
     stream_max = args.streams + args.warmup_ticks + prefill_ticks + tail_ticks + 8
     streams = [bc.make_request(bc.random_prompt(rng, args.stream_prompt_len, vocab), stream_max,
                                request_id=f"s{i}") for i in range(args.streams)]

@@ -17,6 +17,7 @@ decode step and prefill chunks in one pass. Both are optional, see ``packs_*``.)
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,6 +66,12 @@ class Backend(ABC):
 
     packs_mixed: bool = False
     """Whether :meth:`mixed_step` runs decode rows and prefill chunks in one forward pass."""
+
+    pairs_per_token: float | None = None
+    """How many query-key pairs of attention cost as much as one token's pass through the
+    linear layers (``2 · linear weights per layer`` FLOPs against ``4 · heads · head_dim``
+    per pair); ``None`` where unknown. ``mixed_batch`` charges a prompt chunk its
+    attention with it (see :func:`prompt_chunk_cost`)."""
 
     def mixed_step(self, row_ids: Sequence[str], token_ids: Sequence[int], positions: Sequence[int],
                    chunks: Sequence[PrefillChunk]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
@@ -142,3 +149,22 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r} (auto, {', '.join(DTYPES)})")
     return DTYPES[name]
+
+
+def prompt_chunk_cost(start: int, n: int, pairs_per_token: float | None) -> float:
+    """Cost in token-equivalents of prompt tokens ``[start, start + n)``: ``n`` for their
+    linear layers plus their causal attention's ``n · (start + n / 2)`` query-key pairs
+    over ``pairs_per_token`` (0 when that is ``None``)."""
+    return n + (n * (start + n / 2) / pairs_per_token if pairs_per_token else 0.0)
+
+
+def affordable_prompt_tokens(start: int, budget: float, pairs_per_token: float | None) -> int:
+    """The most prompt tokens from position ``start`` whose :func:`prompt_chunk_cost`
+    fits ``budget`` (``n²/2k + n(1 + start/k) ≤ budget``, the positive root), at least 1
+    when ``budget ≥ 1``; 0 for a smaller budget."""
+    if budget < 1:
+        return 0
+    if not pairs_per_token:
+        return int(budget)
+    a, b = 1 / (2 * pairs_per_token), 1 + start / pairs_per_token
+    return max(1, int((-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a)))
