@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.procs import ProcessGroup, free_port, wait_for, wait_healthy
+from tests.procs import start_stack, wait_for
 
 MAX_MODEL_LEN = 128
 VOCAB = 49152
@@ -36,19 +36,16 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
     run = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))
-    group = ProcessGroup(tmp_path_factory.mktemp("fuzz"))
-    engine = group.engine(tiny_model_dir, run, max_batch_size=4, max_model_len=MAX_MODEL_LEN)
-    port = free_port()
-    frontend = group.frontend(tiny_model_dir, run, port)
-    base = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(base, 120)
-        with httpx.Client(base_url=base, timeout=60) as http:
-            yield http, engine, frontend
-    except TimeoutError:
-        raise AssertionError("stack did not start:\n" + "\n".join(p.output()[-3000:] for p in group.procs))
+        group, base = start_stack(tmp_path_factory.mktemp("fuzz"), tiny_model_dir, run, max_batch_size=4,
+                                  max_model_len=MAX_MODEL_LEN)
+        engine, frontend = group.procs
+        try:
+            with httpx.Client(base_url=base, timeout=60) as http:
+                yield http, engine, frontend
+        finally:
+            group.close()
     finally:
-        group.close()
         shutil.rmtree(run, ignore_errors=True)
 
 

@@ -213,7 +213,7 @@ class LlamaRunner:
         """Short segments for the decode kernel — ``(rows [Tk] in the sequence, block tables
         [Tk, W] int32, lengths [Tk] int32)`` with token ``j`` of a segment at ``start`` seeing
         ``start + j + 1`` keys, or ``None`` — and the indices of the other segments."""
-        if self.kernels.name != "c":
+        if not self.prefill_plan.kernel_pairs:  # the plan measured no kernel path (not the C kernels)
             return None, list(range(len(prefill.segments)))
         rows, tables, lens, large = [], [], [], []
         for i, (off, n, start) in enumerate(prefill.segments):

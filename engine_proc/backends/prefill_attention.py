@@ -72,6 +72,11 @@ SDPA_ONLY = PrefillAttentionPlan()
 """The plan where nothing was measured (an accelerator, torch kernels): SDPA throughout."""
 
 
+def _future(start: int, n: int, length: int, device: torch.device) -> torch.Tensor:
+    """``[n, length]`` bool: True where key ``j`` lies after query ``i`` (position ``start + i``)."""
+    return torch.arange(length, device=device)[None, :] > torch.arange(start, start + n, device=device)[:, None]
+
+
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
     """``q`` ``[heads, n, D]`` at positions ``[start, start + n)`` over ``k``, ``v``
     ``[kv_heads, L, D]``, causal: ``[heads, n, D]``. Grouped-query heads are folded into
@@ -82,8 +87,7 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     group = heads // kv_heads
     scores = torch.matmul(q.reshape(kv_heads, group * n, d), k.transpose(1, 2)).float()
     scores = scores.view(kv_heads, group, n, length)
-    future = torch.arange(length, device=q.device)[None, :] > torch.arange(start, start + n, device=q.device)[:, None]
-    scores.mul_(scale).masked_fill_(future, float("-inf"))
+    scores.mul_(scale).masked_fill_(_future(start, n, length, q.device), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(kv_heads, group * n, length)
     return torch.matmul(probs, v).view(heads, n, d)
 
@@ -95,9 +99,9 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
     if start == 0:
         return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
                                               enable_gqa=gqa)[0]
-    length = k.shape[1]
-    mask = torch.arange(length, device=q.device)[None, :] <= torch.arange(start, start + n, device=q.device)[:, None]
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=gqa)[0]
+    allowed = ~_future(start, n, k.shape[1], q.device)
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed, scale=scale,
+                                          enable_gqa=gqa)[0]
 
 
 def _best_ms(fn, reps: int = 3) -> float:
@@ -131,7 +135,7 @@ def measure(kernels, cache, heads: int, head_dim: int, threads=None) -> PrefillA
     def fits(n: int, start: int) -> bool:
         return -(-(start + n) // bs) <= usable_blocks
 
-    def probe(n: int, start: int) -> dict[str, float]:
+    def probe(n: int, start: int, paths: tuple[str, ...]) -> dict[str, float]:
         length = start + n
         if threads is not None:
             threads.apply(n)
@@ -147,15 +151,15 @@ def measure(kernels, cache, heads: int, head_dim: int, threads=None) -> PrefillA
                 return path(qh, k, v, start, scale)
             return run
 
-        return {"kernel": _best_ms(lambda: kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale)),
-                "matmul": _best_ms(gathered(matmul_attention)),
-                "sdpa": _best_ms(gathered(sdpa_attention))}
+        runs = {"kernel": lambda: kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale),
+                "matmul": gathered(matmul_attention), "sdpa": gathered(sdpa_attention)}
+        return {path: _best_ms(runs[path]) for path in paths}
 
     kernel_pairs = 0
     for n, start in KERNEL_PROBES:
         if not fits(n, start):
             break
-        t = probe(n, start)
+        t = probe(n, start, ("kernel", "matmul", "sdpa"))
         if t["kernel"] > min(t["matmul"], t["sdpa"]):
             break
         kernel_pairs = int(n * (start + n / 2))
@@ -163,7 +167,7 @@ def measure(kernels, cache, heads: int, head_dim: int, threads=None) -> PrefillA
     for n, start in MATMUL_PROBES:
         if not fits(n, start):
             break
-        t = probe(n, start)
+        t = probe(n, start, ("matmul", "sdpa"))
         if t["matmul"] > t["sdpa"]:
             break
         matmul_pairs = n * (start + n)
