@@ -303,12 +303,15 @@ class PagedBackend(Backend):
 
     def __init__(self, model: torch.nn.Module, max_model_len: int, block_pool: BlockPool,
                  decode_attention: DecodeAttention | str | None = None, kernels: str = "auto",
-                 runner: bool | None = None, threads: ThreadPlan | None = None):
+                 runner: bool | None = None, threads: ThreadPlan | None = None, low_bit=None):
         """``decode_attention``: None → KERNEL. ``kernels``: ``auto`` (C on a CPU where
         they build, else torch ops) | ``c`` | ``torch``. ``runner``: None → the lean
         runner when the model is one it runs, False → always transformers. Raises
         NotImplementedError for a model whose attention this backend would get wrong,
-        and KernelsUnavailable for ``kernels="c"`` where they cannot be built."""
+        and KernelsUnavailable for ``kernels="c"`` where they cannot be built. ``low_bit``: packed
+        low-bit projections (:class:`~engine_proc.gguf_weights.GGUFWeights`) for the lean
+        runner, run by ``qmatmul.c`` for the passes :func:`~engine_proc.backends.linear.measure_crossover`
+        gives them (it raises KernelsUnavailable where that cannot be built)."""
         from engine_proc.backends.llama_runner import LlamaRunner, unsupported_reason
         from engine_proc.backends.prefill_attention import measure as measure_prefill_attention
 
@@ -334,12 +337,22 @@ class PagedBackend(Backend):
             raise NotImplementedError(f"{type(model).__name__} cannot switch its attention function "
                                       "(AttentionInterface); use --backend hf")
         why_not = unsupported_reason(model) if runner is not False else "disabled"
-        self.runner = LlamaRunner(model, self.cache, self.kernels, max_model_len) if why_not is None else None
+        self.qmatmul = None
+        if low_bit is not None and why_not is None and self.device.type == "cpu":
+            from engine_proc.kernels import QMatmul
+
+            self.qmatmul = QMatmul(param.dtype, torch.get_num_threads())
+        self.runner = LlamaRunner(model, self.cache, self.kernels, max_model_len, low_bit=low_bit,
+                                  qmatmul=self.qmatmul) if why_not is None else None
         self.model_runner = "tickserve llama" if self.runner else "transformers"
         self.threads = threads if self.device.type == "cpu" else None
         if self.threads is not None:
-            self.threads.kernels = self.kernels
+            self.threads.kernels = [self.kernels, self.qmatmul]
         self.pairs_per_token = pairs_per_token(model, heads, head_dim)
+        if self.runner is not None and self.qmatmul is not None:
+            from engine_proc.backends.linear import measure_crossover
+
+            self.runner.plan.quantized_below = measure_crossover(self.runner.layers[0].gate_up, param.dtype)
         if self.runner is not None:
             self.runner.prefill_plan = measure_prefill_attention(self.kernels, self.cache, heads, head_dim,
                                                                  self.threads)

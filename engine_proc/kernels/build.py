@@ -162,6 +162,40 @@ SIGNATURES = {
 }
 
 
+QMATMUL_SOURCE = Path(__file__).with_name("qmatmul.c")
+
+
+def load_qmatmul(dtype: torch.dtype) -> ctypes.CDLL:
+    """Build (if needed) and load ``qmatmul.c`` for activations of ``dtype``. Raises
+    :class:`KernelsUnavailable`."""
+    if dtype not in DTYPES:
+        raise KernelsUnavailable(f"no low-bit matmul for {dtype} activations (float32 and bfloat16 only)")
+    if platform.system() != "Linux":
+        raise KernelsUnavailable(f"C kernels are built on Linux only, not {platform.system()}")
+    cc = compiler()
+    if cc is None:
+        raise KernelsUnavailable("no C compiler (cc or gcc) on PATH")
+    defines = [f"-DSCALAR_BF16={DTYPES[dtype]}"]
+    h = hashlib.sha256()
+    for part in (QMATMUL_SOURCE.read_bytes(), " ".join(CFLAGS + tuple(defines)).encode(),
+                 _compiler_version(cc).encode(), _cpu_flags().encode(), platform.machine().encode()):
+        h.update(part + b"\0")
+    path = cache_root() / "kernels" / f"qmatmul-{h.hexdigest()[:16]}.so"
+    if not path.exists():
+        _compile(path, "the low-bit matmul", lambda out: [cc, *CFLAGS, *defines, str(QMATMUL_SOURCE), "-o", out, "-lm"],
+                 timeout=300)
+        log.info("built the low-bit matmul for %s into %s", dtype, path)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise KernelsUnavailable(f"loading {path} failed: {exc}") from None
+    lib.qmatmul.argtypes = [_I, _P, _I, _I, _P, _I64, _I, _P, _P, _I64, _I, _I]
+    lib.qmatmul.restype = _I
+    lib.qmatmul_isa.argtypes = []
+    lib.qmatmul_isa.restype = ctypes.c_char_p
+    return lib
+
+
 def load(shape: KernelShape) -> ctypes.CDLL:
     """Build (if needed) and load the library for ``shape``; its functions carry their
     argument types. Raises :class:`KernelsUnavailable`."""
