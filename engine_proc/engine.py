@@ -676,7 +676,7 @@ def run_engine(config: cfg.EngineConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shared.cli import process_config
+    from shared.process_config import process_config
 
     return run_engine(process_config(cfg.EngineConfig, "tickserve engine", "Run the engine process alone.", argv))
 

@@ -79,7 +79,7 @@ def run_frontend(config: cfg.FrontendConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shared.cli import process_config
+    from shared.process_config import process_config
 
     return run_frontend(process_config(cfg.FrontendConfig, "tickserve frontend",
                                        "Run one HTTP frontend against a running engine.", argv))

@@ -20,43 +20,11 @@ import sys
 import tempfile
 
 from shared import config as cfg
+from shared.process_config import LOG_FORMAT, OneLineParser
 
 log = logging.getLogger("tickserve.serve")
 
 SERVE_SHARED = ("model", "run_dir", "input_addr", "output_addr", "log_level", "transport")
-
-
-LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line (argparse's own error prints the whole
-    usage, dozens of lines for these commands) and exits 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: {message} (--help lists the flags)\n")
-
-
-def process_config(cls: type, prog: str, description: str, argv: list[str] | None):
-    """Config of one process from its flags and ``TICKSERVE_*`` environment; sets up logging.
-    A configuration that can never work ends the process here: one line on stderr, exit 2."""
-    parser = OneLineParser(prog=prog, description=description)
-    cfg.add_arguments(parser, cls)
-    args = parser.parse_args(argv)
-    try:
-        config = cfg.build(cls, args, os.environ)
-    except ValueError as exc:  # an environment variable that does not parse
-        _fail(prog, str(exc))
-    problems = config.problems()
-    if problems:
-        _fail(prog, "; ".join(problems))
-    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
-    return config
-
-
-def _fail(prog: str, message: str):
-    print(f"{prog}: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def port_problem(host: str, port: int) -> str | None:
