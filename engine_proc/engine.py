@@ -69,7 +69,7 @@ def load_model(config: cfg.EngineConfig):
     """Load the causal LM on the configured device. Returns ``(model, model_dir)``."""
     from transformers import AutoModelForCausalLM
 
-    from engine_proc.model_loader import resolve_model
+    from shared.models import resolve_model
 
     model_dir = resolve_model(config.model)
     device = pick_device(config.device)
@@ -556,7 +556,7 @@ def runtime_info(config: cfg.EngineConfig, scheduler: Scheduler, model_dir: str 
     """The engine's :class:`~shared.protocol.RuntimeInfo`, read off what actually runs."""
     backend = scheduler.backend
     dtype = next(backend.model.parameters()).dtype if hasattr(backend, "model") else None
-    from engine_proc.model_loader import model_fingerprint
+    from shared.models import model_fingerprint
 
     schemes = sorted({addr.split("://", 1)[0] for addr in (config.resolved_input_addr, config.resolved_output_addr)})
     return p.RuntimeInfo(
@@ -604,7 +604,7 @@ def start_engine(config: cfg.EngineConfig) -> "EngineServer":
     scheduler, bind the sockets. Raises :class:`ConfigurationError` for anything a
     restart would not fix."""
     from engine_proc.kernels import KernelsUnavailable
-    from engine_proc.model_loader import ModelNotFound
+    from shared.models import ModelNotFound
 
     problems = config.problems() + device_problems(config)
     if problems:

@@ -49,7 +49,7 @@ def run_frontend(config: cfg.FrontendConfig) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer
 
-    from engine_proc.model_loader import ModelNotFound, model_display_name, model_fingerprint, resolve_model
+    from shared.models import ModelNotFound, model_display_name, model_fingerprint, resolve_model
     from frontend.app import create_app
     from frontend.http_guard import ConnectionLimits, guarded_protocol
 

@@ -41,7 +41,7 @@ def port_problem(host: str, port: int) -> str | None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Check everything, convert the model once, bind the HTTP port, then supervise the
     engines and frontends (:mod:`shared.supervisor`)."""
-    from engine_proc.model_loader import ModelNotFound, resolve_model
+    from shared.models import ModelNotFound, resolve_model
     from shared.supervisor import Supervisor, listen
 
     environ = dict(os.environ)
@@ -116,7 +116,7 @@ def _auto_engines(engine: cfg.EngineConfig, model_dir: str, by_address: bool) ->
 def cmd_cache(argv: list[str]) -> int:
     """tickserve cache [list|prune]: what the converted-model cache holds; prune removes
     the per-clone copies of the older path-keyed layout."""
-    from engine_proc import model_cache
+    from shared import model_cache
 
     parser = OneLineParser(prog="tickserve cache", description=cmd_cache.__doc__)
     parser.add_argument("action", nargs="?", choices=("list", "prune"), default="list")
@@ -136,7 +136,7 @@ def cmd_cache(argv: list[str]) -> int:
 
 
 def _display(model: str) -> str:
-    from engine_proc.model_loader import model_display_name
+    from shared.models import model_display_name
 
     return model_display_name(model)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_proc import model_cache
+from shared import model_cache
 from tests.procs import REPO, _env
 
 
@@ -143,14 +143,14 @@ def test_cache_command_lists_and_prunes(tmp_path):
 
 
 def test_resolve_model_converts_a_model_once_across_venvs(tmp_path, monkeypatch):
-    from engine_proc import model_loader
+    from shared import models
 
     monkeypatch.setenv("TICKSERVE_CACHE_DIR", str(tmp_path / "cache"))
     convert = CountingConverter()
-    monkeypatch.setattr(model_loader, "_dequantize", convert)
+    monkeypatch.setattr(models, "_dequantize", convert)
     payload = os.urandom(50_000)
     a = _fake_gguf(tmp_path / "venv-a", payload)
     b = _fake_gguf(tmp_path / "venv-b", payload)
-    assert model_loader.resolve_model(str(a)) == model_loader.resolve_model(str(b))
+    assert models.resolve_model(str(a)) == models.resolve_model(str(b))
     assert convert.calls == [a]
-    assert model_loader.resolve_model(str(a)).parent == tmp_path / "cache" / "models"
+    assert models.resolve_model(str(a)).parent == tmp_path / "cache" / "models"

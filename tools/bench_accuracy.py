@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from engine_proc.model_loader import resolve_model
+    from shared.models import resolve_model
 
     model_dir = str(resolve_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -314,7 +314,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not args.model:
-        from engine_proc.model_loader import resolve_model
+        from shared.models import resolve_model
         args.model = str(resolve_model(""))
     tmp = Path(tempfile.mkdtemp(prefix="probe-"))
     run = Path(tempfile.mkdtemp(prefix="ts-probe-", dir="/tmp"))

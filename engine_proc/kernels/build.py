@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from engine_proc.model_cache import cache_root
+from shared.model_cache import cache_root
 
 log = logging.getLogger(__name__)
 

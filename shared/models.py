@@ -15,8 +15,8 @@ import logging
 import os
 from pathlib import Path
 
-from engine_proc import model_cache
-from engine_proc.model_cache import cache_root  # noqa: F401  (re-exported)
+from shared import model_cache
+from shared.model_cache import cache_root  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def default_gguf_path() -> Path:
 
 def convert_gguf(gguf: Path) -> Path:
     """De-quantize ``gguf`` into a float32 safetensors directory, once per file content
-    (see :mod:`engine_proc.model_cache`). Returns the directory. The conversion shows
+    (see :mod:`shared.model_cache`). Returns the directory. The conversion shows
     transformers' tqdm progress bars.
     """
     return model_cache.convert_cached(gguf, _dequantize)
