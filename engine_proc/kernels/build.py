@@ -3,8 +3,9 @@
 The library is built once per (source, compiler, CPU features, dtype, head_dim, group,
 block_size) with ``cc -O3 -march=native -fopenmp`` (about a second) and kept under
 ``<cache>/kernels/<key>.so`` (``<cache>`` as for converted models: ``TICKSERVE_CACHE_DIR``,
-default ``~/.cache/tickserve``). A build writes a temporary file and renames it into
-place, so two engines starting at once both end with one complete library.
+default ``~/.cache/tickserve``) by :mod:`shared.native_build`, which writes a temporary
+file and renames it into place, so two engines starting at once both end with one
+complete library.
 
 :func:`load` raises :class:`KernelsUnavailable` (no compiler, a failed build, a dtype the
 C code does not handle); callers then fall back to :mod:`engine_proc.kernels.torch_ops`.
@@ -15,17 +16,14 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from shared.model_cache import cache_root
+from shared.cache_dir import cache_root
+from shared.native_build import KernelsUnavailable, compile_library, compiler, compiler_version, cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +31,6 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
           "-std=gnu11", "-ffp-contract=fast", "-Wall", "-Werror=implicit-function-declaration")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-class KernelsUnavailable(RuntimeError):
-    """The C kernels cannot be built or loaded here (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -53,38 +47,12 @@ class KernelShape:
                 f"-DBLOCK_SIZE={self.block_size}"]
 
 
-def compiler() -> str | None:
-    """The C compiler to use: ``$CC``, else ``cc`` or ``gcc`` on PATH."""
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler_version(cc: str) -> str:
-    try:
-        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def library_path(shape: KernelShape, cc: str) -> Path:
     """Where the library for ``shape`` lives in the cache (keyed on everything that
     changes the machine code)."""
     h = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(CFLAGS + tuple(shape.defines())).encode(),
-                 _compiler_version(cc).encode(), _cpu_flags().encode(), platform.machine().encode()):
+                 compiler_version(cc).encode(), cpu_flags().encode(), platform.machine().encode()):
         h.update(part + b"\0")
     return cache_root() / "kernels" / f"cpu_kernels-{h.hexdigest()[:16]}.so"
 
@@ -105,47 +73,9 @@ def build(shape: KernelShape) -> Path:
         raise KernelsUnavailable("no C compiler (cc or gcc) on PATH")
     path = library_path(shape, cc)
     if not path.exists():
-        _compile(path, "the C kernels", lambda out: [cc, *CFLAGS, *shape.defines(), str(SOURCE), "-o", out, "-lm"],
-                 timeout=300)
+        compile_library(path, "the C kernels",
+                        lambda out: [cc, *CFLAGS, *shape.defines(), str(SOURCE), "-o", out, "-lm"], timeout=300)
         log.info("built the C kernels for %s into %s", shape, path)
-    return path
-
-
-def _compile(path: Path, what: str, command, source: str | None = None, timeout: float = 120) -> None:
-    """Run ``command(output)`` into a temporary file beside ``path`` and rename it into
-    place (so two processes building at once both end with one complete library);
-    ``source``, if given, is written to a temporary ``.c`` file first and
-    ``command(output, source_file)`` gets its name. Raises :class:`KernelsUnavailable`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".build-", suffix=".so")
-    os.close(fd)
-    src = tmp[:-3] + ".c"
-    try:
-        if source is not None:
-            Path(src).write_text(source)
-        cmd = command(tmp) if source is None else command(tmp, src)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:
-            raise KernelsUnavailable(f"building {what} failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
-        os.replace(tmp, path)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelsUnavailable(f"building {what} failed: {exc}") from None
-    finally:
-        for leftover in (tmp, src):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
-
-
-def build_source(name: str, source: str) -> Path:
-    """Compile a small C ``source`` (no kernel shapes) into a cached shared library named
-    after ``name`` and its content; the path. Raises :class:`KernelsUnavailable`."""
-    cc = compiler()
-    if cc is None:
-        raise KernelsUnavailable("no C compiler (cc or gcc) on PATH")
-    h = hashlib.sha256(f"{source}\0{_compiler_version(cc)}\0{platform.machine()}".encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"{name}-{h}.so"
-    if not path.exists():
-        _compile(path, name, lambda out, src: [cc, "-O2", "-fPIC", "-shared", src, "-o", out], source=source)
     return path
 
 
