@@ -186,7 +186,7 @@ class EngineServer:
         self.rejected: dict[str, int] = {}  # I/O thread: submits refused before the ack, by code
         self.stats_window = StatsWindow(config.stats_interval_s)  # fed and published by the tick thread
         self.fatal: BaseException | None = None
-        scheduler._on_left_pending = self._count_left_pending
+        scheduler.on_left_pending = self._count_left_pending
         self._tick_thread = threading.Thread(target=self._tick_loop, name="engine-tick", daemon=True)
         self._threads = [threading.Thread(target=self._io_loop, name="engine-io", daemon=True),
                          self._tick_thread]
@@ -543,7 +543,7 @@ class EngineServer:
 
     def _fail_all(self, sock: zmq.Socket, error: str) -> None:
         outputs = []
-        for req in list(self.scheduler._requests.values()):
+        for req in self.scheduler.requests():
             outputs.append((req.frontend_id, p.RequestOutput(req.request_id, [], p.FinishReason.ERROR,
                                                               error=error)))
         try:

@@ -119,7 +119,7 @@ def test_abort_from_every_queue_releases_everything(tiny_llama, where):
     sched.check_invariants()
     finish = [o for _, o in sched.drain_outputs() if o.request_id == victim.request_id]
     assert finish[-1].finish_reason is FinishReason.ABORT
-    assert victim.request_id not in sched._requests
+    assert not sched.has_request(victim.request_id)
     sched.abort_request(blocker.request_id)
     assert sched.active_kv_reserved == 0 and sched.block_pool.num_used_blocks == 0
     assert not sched.abort_request(victim.request_id)  # idempotent

@@ -160,7 +160,7 @@ def run_mode(model, args, mode: str, chunk: int, deadline: bc.Deadline, tail_tic
                 token_times[o.request_id].extend([t1] * len(o.token_ids))
         ticks.append({"t_end": t1, "dur_ms": (t1 - t0) * 1e3, "phase": phase,
                       "long_prompt_tokens": prompt_done() - before,
-                      "batch": len(sched._active)})
+                      "batch": sched.batch_size})
         return got
 
     for r in streams:
@@ -192,7 +192,7 @@ def run_mode(model, args, mode: str, chunk: int, deadline: bc.Deadline, tail_tic
             cpu_share = (time.process_time() - cpu_at_arrival) / (first_token - arrival)
         if first_token is not None and sum(t["phase"] == "after" for t in ticks) >= tail_ticks:
             break
-    for rid in list(sched._requests):  # free the rows (the scheduler is dropped next)
+    for rid in [r.request_id for r in sched.requests()]:  # free the rows (the scheduler is dropped next)
         sched.abort_request(rid)
 
     def itls(lo: float, hi: float) -> list[float]:
