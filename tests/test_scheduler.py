@@ -157,7 +157,7 @@ def test_a_failing_prefill_fails_only_its_row(tiny_llama):
 
 
 def test_pool_sized_for_the_batch_and_capped_by_a_memory_fraction(tiny_llama):
-    from engine_proc.engine import available_memory_bytes, kv_bytes_per_block
+    from engine_proc.factory import available_memory_bytes, kv_bytes_per_block
 
     per_block = kv_bytes_per_block(tiny_llama, 16)
     assert per_block == 2 * 2 * 2 * 16 * 16 * 4  # K+V · layers · kv_heads · head_dim · tokens · fp32

@@ -81,7 +81,7 @@ def service(reqs, w_p: float, w_q: float) -> float:
 
 
 def run_policy(model, args, policy: str, deadline: bc.Deadline) -> dict:
-    from engine_proc.engine import build_scheduler
+    from engine_proc.factory import build_scheduler
     from engine_proc.request import RequestStatus
 
     config = engine_config(args, policy)

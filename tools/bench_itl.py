@@ -99,7 +99,7 @@ def warm_up(model, args, deadline: bc.Deadline) -> None:
     markedly slower (the allocator first reaching the peak footprint: measured 11.4 s
     vs 8.2 s TTFT for the same 2,000-token prefill), so nothing measured goes first.
     ``--quick-warmup``: a 1,024-token prefill instead (biased against the first mode)."""
-    from engine_proc.engine import build_scheduler
+    from engine_proc.factory import build_scheduler
 
     if not args.quick_warmup:
         run_mode(model, args, "monolithic", 0, deadline, tail_ticks=2)
@@ -123,7 +123,7 @@ def run_mode(model, args, mode: str, chunk: int, deadline: bc.Deadline, tail_tic
              budget: int = 0) -> dict:
     """One measurement: streams decode, the long prompt arrives, tick until its first
     token plus ``tail_ticks``. Returns the mode's summary (times in ms / s)."""
-    from engine_proc.engine import build_scheduler
+    from engine_proc.factory import build_scheduler
 
     tail_ticks = args.tail_ticks if tail_ticks is None else tail_ticks
     config = engine_config(args, mode, chunk, budget)
