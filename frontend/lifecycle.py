@@ -15,7 +15,7 @@ import msgspec
 from starlette.requests import Request
 
 from frontend.context import Frontend
-from frontend.detokenizer import TextStream
+from frontend.text_stream import TextStream
 from frontend.engine_client import EngineUnavailable, Rejected, RequestStream
 from frontend.http_errors import ClientGone, EngineError, HTTPError, reject_error, unavailable
 from frontend.metrics import RequestTimer
