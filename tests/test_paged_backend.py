@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from engine_proc.backends.paged import ATTN_IMPLEMENTATION, DecodeAttention, PagedBackend
+from engine_proc.backends.paged import PagedBackend
+from engine_proc.backends.paged_attention import ATTN_IMPLEMENTATION, DecodeAttention
 from engine_proc.request import RequestStatus
 from tests.helpers import (assert_matches_reference, make_request, make_scheduler, run_until_idle,
                            tokens_of)
