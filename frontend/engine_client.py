@@ -109,6 +109,10 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    def in_flight_ids(self) -> set[str]:
+        """Ids of the accepted requests whose outputs are still streaming."""
+        return set(self._streams)
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
