@@ -17,6 +17,7 @@ from engine_proc.policy import make_policy
 from engine_proc.scheduler import Scheduler
 from engine_proc.threads import ThreadPlan, usable_cpus
 from shared import config as cfg
+from shared import placement
 
 
 def load_model(config: cfg.EngineConfig):
@@ -71,17 +72,12 @@ def kv_bytes_per_block(model, block_size: int) -> int:
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """Free accelerator memory (CUDA), else MemAvailable from /proc/meminfo (bytes)."""
+    """Free accelerator memory (CUDA), else MemAvailable from /proc/meminfo (bytes; 4 GiB where
+    there is none)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
+    host = placement.available_memory_bytes()
+    return 4 << 30 if host is None else host
 
 
 def blocks_for_memory(model, block_size: int, fraction: float) -> int:

@@ -15,25 +15,20 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.context import Frontend
 from frontend.lifecycle import ChoiceState, choice_events, start_choices, watch_disconnect
-from frontend.params import PromptInfo, chat_prompt, check_model, sampling_params
+from frontend.params import PromptInfo, chat_prompt, sampling_params
 from frontend.render import chat_logprobs, sse, sse_response, usage
-from frontend.request_body import parse_body
 from frontend.schemas import ChatCompletionRequest
+from frontend.serving import Serving
 from shared import protocol as p
 
 
-class ChatServing:
+class ChatServing(Serving):
     """One per app; :meth:`create` is the endpoint."""
-
-    def __init__(self, fe: Frontend):
-        self.fe = fe
 
     async def create(self, request: Request) -> Response:
         fe = self.fe
-        body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, fe.config)
-        check_model(fe, body)
+        body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
         prompt = chat_prompt(fe, body.messages, body.add_generation_prompt)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         choices = await start_choices(fe, request, body, [(prompt, sampling_params(fe, body, prompt, None, logprobs))],

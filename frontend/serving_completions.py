@@ -10,25 +10,20 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.context import Frontend
 from frontend.lifecycle import ChoiceState, choice_events, start_choices, watch_disconnect
-from frontend.params import PromptInfo, check_model, completion_prompts, sampling_params
+from frontend.params import PromptInfo, completion_prompts, sampling_params
 from frontend.prompt_logprobs import engine_prompt_logprobs, legacy_prompt_part, vllm_prompt_logprobs
 from frontend.render import completion_logprobs, sse, sse_response, token_str, usage
-from frontend.request_body import parse_body
 from frontend.schemas import DEFAULT_MAX_TOKENS_COMPLETIONS, CompletionRequest
+from frontend.serving import Serving
 
 
-class CompletionsServing:
+class CompletionsServing(Serving):
     """One per app; :meth:`create` is the endpoint."""
-
-    def __init__(self, fe: Frontend):
-        self.fe = fe
 
     async def create(self, request: Request) -> Response:
         fe = self.fe
-        body: CompletionRequest = await parse_body(request, CompletionRequest, fe.config)
-        check_model(fe, body)
+        body: CompletionRequest = await self.parse(request, CompletionRequest)
         prompts = completion_prompts(fe, body)
         scoring = engine_prompt_logprobs(bool(body.echo), body.logprobs, body.prompt_logprobs, body.max_tokens)
         plans = [(pr, sampling_params(fe, body, pr, DEFAULT_MAX_TOKENS_COMPLETIONS, body.logprobs, scoring))

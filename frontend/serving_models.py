@@ -5,14 +5,11 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.context import Frontend
 from frontend.http_errors import HTTPError
+from frontend.serving import Serving
 
 
-class ModelsServing:
-    def __init__(self, fe: Frontend):
-        self.fe = fe
-
+class ModelsServing(Serving):
     def _model_card(self) -> dict:
         return {"id": self.fe.model_name, "object": "model", "created": 0, "owned_by": "tickserve",
                 "max_model_len": self.fe.max_model_len}

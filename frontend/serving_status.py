@@ -7,17 +7,14 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.context import Frontend
 from frontend.engine_client import EngineUnavailable
 from frontend.http_errors import unavailable
+from frontend.serving import Serving
 
 VERSION = "0.1.0"
 
 
-class StatusServing:
-    def __init__(self, fe: Frontend):
-        self.fe = fe
-
+class StatusServing(Serving):
     async def health(self, request: Request) -> Response:
         if self.fe.draining:
             return JSONResponse({"status": "draining"}, status_code=503)

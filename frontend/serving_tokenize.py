@@ -6,20 +6,15 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.context import Frontend
-from frontend.params import chat_prompt, check_ids, check_model
-from frontend.request_body import parse_body
+from frontend.params import chat_prompt, check_ids
 from frontend.schemas import DetokenizeRequest, TokenizeRequest
+from frontend.serving import Serving
 
 
-class TokenizeServing:
-    def __init__(self, fe: Frontend):
-        self.fe = fe
-
+class TokenizeServing(Serving):
     async def tokenize(self, request: Request) -> Response:
         fe = self.fe
-        body: TokenizeRequest = await parse_body(request, TokenizeRequest, fe.config)
-        check_model(fe, body)
+        body: TokenizeRequest = await self.parse(request, TokenizeRequest)
         if body.messages is not None:
             ids = chat_prompt(fe, body.messages, body.add_generation_prompt,
                               add_special_tokens=bool(body.add_special_tokens)).token_ids
@@ -30,7 +25,6 @@ class TokenizeServing:
 
     async def detokenize(self, request: Request) -> Response:
         fe = self.fe
-        body: DetokenizeRequest = await parse_body(request, DetokenizeRequest, fe.config)
-        check_model(fe, body)
+        body: DetokenizeRequest = await self.parse(request, DetokenizeRequest)
         check_ids(fe, body.tokens, "tokens")
         return JSONResponse({"prompt": fe.tokenizer.decode(body.tokens)})
