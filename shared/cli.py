@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import sys
 import tempfile
 
@@ -74,6 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Check everything, convert the model once, bind the HTTP port, then supervise the
     engines and frontends (:mod:`shared.supervisor`)."""
     from engine_proc.model_loader import ModelNotFound, resolve_model
+    from shared.marked_dirs import make_marked_dir
     from shared.supervisor import Supervisor, listen
 
     environ = dict(os.environ)
@@ -117,9 +117,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         {} if dp == 1 else {"torch_threads": engine.torch_threads or max(1, cpus // dp),
                             "kv_memory_fraction": engine.kv_memory_fraction / dp})) for d in engine_dirs]
     name = args.served_model_name or _display(args.model or environ.get(cfg.env_name("model"), ""))
-    metrics_dir = os.path.join(run_dir, "metrics")
-    shutil.rmtree(metrics_dir, ignore_errors=True)
-    os.makedirs(metrics_dir, exist_ok=True)
+    os.makedirs(run_dir, exist_ok=True)
+    # a fresh, marked directory: never a name of the user's in --run-dir (shared/marked_dirs.py)
+    metrics_dir = make_marked_dir(run_dir, "metrics-", "prometheus multiprocess")
     frontends = [cfg.build(cfg.FrontendConfig, args, environ, model=model_dir, served_model_name=name,
                            http_fd=http_sock.fileno(),
                            **({"run_dir": run_dir} if dp == 1 else {"run_dir": "", "engine": ",".join(engine_dirs)}))
@@ -162,8 +162,9 @@ def cmd_cache(argv: list[str]) -> int:
         return 0
     models = model_cache.list_models(root)
     for m in models:
-        print(f"{m.bytes / 1e6:8.0f} MB  {m.path}{'' if m.content_keyed else '  (old per-path copy: prune removes it)'}")
-    print(f"{len(models)} converted model(s) in {root}; remove the directory to clear it")
+        note = "" if m.content_keyed else "  (old per-path copy: prune removes it)" if m.removable else f"  ({m.note})"
+        print(f"{m.bytes / 1e6:8.0f} MB  {m.path}{note}")
+    print(f"{len(models)} entr{'y' if len(models) == 1 else 'ies'} in {root}; remove the directory to clear it")
     return 0
 
 

@@ -17,10 +17,12 @@ Data parallel (M > 1): engine ``i`` runs in ``<run_dir>/engine-i`` on its share 
 CPUs (pinned there, ``torch_threads`` split), with ``1/M`` of the KV memory cap; every
 frontend connects to all of them and routes (``frontend/router.py``). Frontends share
 their Prometheus counters through prometheus-client's multiprocess mode (a directory
-in the run directory), so a scrape of any one reports the totals of all.
+in the run directory, made fresh and marked: :mod:`shared.marked_dirs`), so a scrape of
+any one reports the totals of all.
 
-On SIGTERM/SIGINT: frontends first (they drain), then engines; the run directory goes
-if the supervisor made it.
+On SIGTERM/SIGINT: frontends first (they drain), then engines; the metrics directory
+goes (it is marked as tickserve's), and the run directory if the supervisor made it.
+Nothing else in a ``--run-dir`` of the user's is touched.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared import config as cfg
+from shared.marked_dirs import remove_marked
 
 log = logging.getLogger("tickserve.serve")
 
@@ -63,7 +66,7 @@ class Child:
 class Supervisor:
     def __init__(self, engines: list[cfg.EngineConfig], frontends: list[cfg.FrontendConfig],
                  http_sock: socket.socket | None, run_dir: str, own_run_dir: bool, metrics_dir: str | None = None):
-        self.run_dir, self.own_run_dir = run_dir, own_run_dir
+        self.run_dir, self.own_run_dir, self.metrics_dir = run_dir, own_run_dir, metrics_dir
         self.http_sock = http_sock
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         share = max(1, len(cpus) // len(engines)) if cpus else 0
@@ -150,6 +153,8 @@ class Supervisor:
                     child.proc.wait(5)
         if self.http_sock is not None:
             self.http_sock.close()
+        if self.metrics_dir:
+            remove_marked(self.metrics_dir)
         if self.own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
