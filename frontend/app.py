@@ -42,6 +42,7 @@ from frontend.engine_set import EngineSet
 from frontend.router import affinity_key
 from frontend.metrics import FrontendMetrics, RequestTimer
 from frontend.prompt_logprobs import engine_prompt_logprobs, legacy_prompt_part, vllm_prompt_logprobs
+from frontend.request_work import work_problem
 from frontend.schemas import (DEFAULT_MAX_TOKENS_COMPLETIONS, ChatCompletionRequest, ChatMessage,
                               CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body)
 from shared import protocol as p
@@ -246,6 +247,14 @@ class Frontend:
             name = problem.split(" ", 1)[0]
             raise HTTPError(400, problem, param=name if name in _PARAM_NAMES else None)
         return params
+
+    def _check_work(self, plans: list[tuple[PromptInfo, p.SamplingParams]], n: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> None:
+        """HTTP 400 when the request's work exceeds ``--max-request-work`` (frontend/request_work.py)."""
+        problem = work_problem([len(pr.token_ids) for pr, _ in plans], [params.max_tokens for _, params in plans],
+                               n, logprobs, prompt_logprobs, self.config.max_request_work)
+        if problem:
+            raise HTTPError(400, problem, code="request_work_exceeded")
 
     def _prompts(self, body: CompletionRequest) -> list[PromptInfo]:
         prompt = body.prompt
@@ -454,6 +463,7 @@ class Frontend:
         scoring = engine_prompt_logprobs(bool(body.echo), body.logprobs, body.prompt_logprobs, body.max_tokens)
         plans = [(pr, self._params(body, pr, DEFAULT_MAX_TOKENS_COMPLETIONS, body.logprobs, scoring))
                  for pr in prompts]
+        self._check_work(plans, body.n or 1, body.logprobs, body.prompt_logprobs)
         choices = await self._start_choices(request, body, plans, body.n or 1)
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
@@ -510,8 +520,9 @@ class Frontend:
         self._check_model(body)
         prompt = self._chat_prompt(body.messages, body.add_generation_prompt)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        choices = await self._start_choices(request, body, [(prompt, self._params(body, prompt, None, logprobs))],
-                                            body.n or 1)
+        plans = [(prompt, self._params(body, prompt, None, logprobs))]
+        self._check_work(plans, body.n or 1, logprobs)
+        choices = await self._start_choices(request, body, plans, body.n or 1)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": self.model_name}
         as_ids = bool(body.return_tokens_as_token_ids)
