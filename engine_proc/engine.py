@@ -39,7 +39,7 @@ from engine_proc.request import Request
 from engine_proc.scheduler import Scheduler
 from engine_proc.stats_window import StatsWindow
 from engine_proc.threads import ThreadPlan, usable_cpus
-from shared import codec, config as cfg
+from shared import codec, config as cfg, startup_faults
 from shared import protocol as p
 from shared.protocol import BROADCAST_TOPIC
 from shared.transport import (AddressInUse, AddressLock, EngineInbound, EngineOutbound, Inbound,
@@ -66,15 +66,17 @@ class _FrontendGone:
 
 
 def load_model(config: cfg.EngineConfig):
-    """Load the causal LM on the configured device. Returns ``(model, model_dir)``."""
+    """Load the causal LM on the configured device. Returns ``(model, model_dir)``.
+    Raises :class:`~shared.startup_faults.StartupFault` for files that cannot load."""
     from transformers import AutoModelForCausalLM
 
     from engine_proc.model_loader import resolve_model
-
     model_dir = resolve_model(config.model)
+    startup_faults.check_model_dir(model_dir, tokenizer=False)  # the engine needs no tokenizer
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    with startup_faults.faults_of(model_dir, tokenizer=False):
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     return model.to(device).eval(), model_dir
 
 
@@ -578,10 +580,10 @@ def configure_torch(config: cfg.EngineConfig) -> None:
     torch.manual_seed(config.seed)
 
 
-EXIT_CONFIG = 78
+EXIT_CONFIG = startup_faults.EXIT_CONFIG
 """Exit status of an engine that cannot start with its configuration (sysexits'
-EX_CONFIG): a missing model, a device this build lacks, a model the backend cannot run,
-an address another engine holds. The supervisor does not restart it."""
+EX_CONFIG): a missing model, weights that cannot load, a device this build lacks, a model
+the backend cannot run, an address another engine holds. The supervisor does not restart it."""
 
 
 class ConfigurationError(RuntimeError):
@@ -615,7 +617,7 @@ def start_engine(config: cfg.EngineConfig) -> "EngineServer":
         scheduler = build_scheduler(config, model)
         warm_up(scheduler)
         return EngineServer(config, scheduler, runtime_info(config, scheduler, str(model_dir)))
-    except (ModelNotFound, NotImplementedError, KernelsUnavailable, AddressInUse) as exc:
+    except (ModelNotFound, startup_faults.StartupFault, NotImplementedError, KernelsUnavailable, AddressInUse) as exc:
         raise ConfigurationError(str(exc)) from None
 
 

@@ -71,9 +71,12 @@ def port_problem(host: str, port: int) -> str | None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Check everything, convert the model once, bind the HTTP port, then supervise the
-    engines and frontends (:mod:`shared.supervisor`)."""
+    engines and frontends (:mod:`shared.supervisor`). Exit status: 2 for a flag or
+    setting that cannot work, 78 for model files that cannot load (one line on stderr
+    either way, before anything starts), or what the supervisor returns."""
     from engine_proc.model_loader import ModelNotFound, resolve_model
     from shared.marked_dirs import make_marked_dir
+    from shared.startup_faults import StartupFault, check_model_dir, report
     from shared.supervisor import Supervisor, listen
 
     environ = dict(os.environ)
@@ -89,17 +92,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     by_address = bool(engine.input_addr or engine.output_addr)
     if dp > 1 and by_address:
         problems.append("--data-parallel-size engines listen in the run directory: give no --input-addr/--output-addr")
-    if not problems:
-        from engine_proc.engine import device_problems
-
-        problems += device_problems(engine)
     if problems:
         print("tickserve: " + "; ".join(problems), file=sys.stderr)
         return 2
     try:
         model_dir = str(resolve_model(engine.model))  # convert once, before any child starts
+        check_model_dir(model_dir)  # weights and tokenizer: a fault there would fail every restart
     except ModelNotFound as exc:
         print(f"tickserve: {exc}", file=sys.stderr)
+        return 2
+    except StartupFault as fault:
+        return report("tickserve", fault)
+    from engine_proc.engine import device_problems  # loads torch: after the checks that need none
+
+    problems = device_problems(engine)
+    if problems:
+        print("tickserve: " + "; ".join(problems), file=sys.stderr)
         return 2
     try:
         http_sock = listen(frontend_probe.host, frontend_probe.port)

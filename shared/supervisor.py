@@ -10,8 +10,10 @@ meanwhile are served by the others (or by its successor). Each child:
   stable minute);
 * runs in its own session (a terminal's Ctrl-C reaches only the supervisor, which stops
   the children once, in order) and gets SIGTERM from the kernel if the supervisor dies;
-* is not restarted when it exits with the configuration status (an engine's 78, a
-  frontend's 2: a restart cannot fix what it reported): the supervisor stops.
+* is not restarted when it exits with a configuration status (78 for files or settings
+  that cannot work, 2 for refused flags or a refused engine: a restart cannot fix what
+  it reported, :mod:`shared.startup_faults`): the supervisor stops and exits with that
+  status. Any other exit (a crash, memory that ran out) is restarted.
 
 Data parallel (M > 1): engine ``i`` runs in ``<run_dir>/engine-i`` on its share of the
 CPUs (pinned there, ``torch_threads`` split), with ``1/M`` of the KV memory cap; every
@@ -40,11 +42,12 @@ from typing import Any
 
 from shared import config as cfg
 from shared.marked_dirs import remove_marked
+from shared.startup_faults import EXIT_CONFIG
 
 log = logging.getLogger("tickserve.serve")
 
-EXIT_CONFIG = 78  # engine_proc.engine.EXIT_CONFIG (not imported: that would load torch here)
-FRONTEND_REFUSED = 2  # a frontend that refuses its configuration or its engine's model
+REFUSED = 2  # a process that refuses its flags, or a frontend its engine's model
+FATAL_CODES = (EXIT_CONFIG, REFUSED)  # statuses a restart cannot change
 
 
 @dataclass
@@ -52,7 +55,6 @@ class Child:
     name: str  # "engine 0", "frontend 1"
     module: str  # "engine_proc" | "frontend"
     config: Any
-    fatal_code: int  # exit status that must not be restarted
     pass_fds: tuple[int, ...] = ()
     cpus: list[int] | None = None
     env: dict = field(default_factory=dict)
@@ -70,12 +72,12 @@ class Supervisor:
         self.http_sock = http_sock
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         share = max(1, len(cpus) // len(engines)) if cpus else 0
-        self.engines = [Child(f"engine {i}", "engine_proc", c, EXIT_CONFIG,
+        self.engines = [Child(f"engine {i}", "engine_proc", c,
                               cpus=cpus[i * share:(i + 1) * share] if len(engines) > 1 and cpus else None)
                         for i, c in enumerate(engines)]
         env = {"PROMETHEUS_MULTIPROC_DIR": metrics_dir} if metrics_dir else {}
         fds = (http_sock.fileno(),) if http_sock is not None else ()
-        self.frontends = [Child(f"frontend {i}", "frontend", c, FRONTEND_REFUSED, pass_fds=fds, env=env)
+        self.frontends = [Child(f"frontend {i}", "frontend", c, pass_fds=fds, env=env)
                           for i, c in enumerate(frontends)]
         self.stopping = False
         self.exit_code = 0
@@ -120,9 +122,9 @@ class Supervisor:
 
     def _exited(self, child: Child, now: float) -> None:
         code = child.proc.returncode
-        if code == child.fatal_code:
+        if code in FATAL_CODES:
             log.error("%s cannot run with this configuration (exit %d); shutting down", child.name, code)
-            self.exit_code = 2
+            self.exit_code = code
             self.stopping = True
             return
         if now - child.started > 60:
