@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine_proc.backends.base import Backend, PrefillChunk, affordable_prompt_tokens, prompt_chunk_cost
+from engine_proc.backends.kernel_batch import BatchRejected
 from engine_proc.prompt_logprobs import score_chunk, wants_prompt_logprobs
 from engine_proc.block_pool import BlockPool, PrefixMatch
 from engine_proc.gates import Limits, never_fits
@@ -429,8 +430,21 @@ class Scheduler:
         rows = self._active
         if not rows:
             return
-        logits = self.backend.decode_step_batched(*self._decode_inputs(rows))
+        try:
+            logits = self.backend.decode_step_batched(*self._decode_inputs(rows))
+        except BatchRejected as exc:  # refused at the kernel boundary before it ran: fail those rows only
+            self._fail_rejected(exc, list(rows))
+            return
         self._after_decode(rows, logits)
+
+    def _fail_rejected(self, exc: BatchRejected, rows: list[Request]) -> None:
+        at_fault = set(exc.rows)
+        failed = [r for r in rows if r.request_id in at_fault] or rows
+        log.error("decode pass refused at the kernel boundary: %s; failing %d of its %d rows", exc, len(failed),
+                  len(rows))
+        for req in failed:
+            req.error = f"decode refused: {exc.problem}"
+            self._finish(req, RequestStatus.FINISHED_ERROR)
 
     @staticmethod
     def _decode_inputs(rows: list[Request]) -> tuple[list[str], list[int], list[int]]:
