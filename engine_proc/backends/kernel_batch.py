@@ -4,7 +4,9 @@ The C kernels read and write where their arguments point: a block id past the po
 length past a row's block table, a slot in the null block or a position past the RoPE
 table is an out-of-bounds read or write that nothing notices. So every pass's arguments
 are checked here, once, before any kernel runs -- always (not under a debug flag), in
-O(rows) Python plus a few vector reductions over the tensors::
+O(rows) Python plus four vector reductions (a minimum and maximum each of the block
+tables, slots and positions, and a count of each row's null entries); the rows
+at fault are looked for only once a check fails::
 
     block_tables [B, W] int32, contiguous     used entries (the first ceil(len / bs)) in [0, num_blocks);
                                               padding may be the null block (num_blocks)
@@ -69,20 +71,34 @@ def check_batch(limits: KernelLimits, row_ids: Sequence[str], block_tables: torc
         if kernel_lens.numel() != b:
             raise BatchRejected(rows, f"{kernel_lens.numel()} kernel lengths for {b} rows")
     bs, capacity = limits.block_size, width * limits.block_size
-    bad = [r for r, n in zip(rows, seq_lens) if not 1 <= n <= capacity]
-    if bad:
-        raise BatchRejected(bad, f"a length outside [1, {capacity}] (the block table's {width} blocks)")
+    if not 1 <= min(seq_lens) <= max(seq_lens) <= capacity:
+        raise BatchRejected([r for r, n in zip(rows, seq_lens) if not 1 <= n <= capacity],
+                            f"a length outside [1, {capacity}] (the block table's {width} blocks)")
     if kernel_lens is not None and kernel_lens.tolist() != list(seq_lens):
         raise BatchRejected(rows, "kernel lengths differ from the rows' lengths")
-    used = torch.arange(width, device=block_tables.device)[None, :] < torch.tensor(
-        [-(-n // bs) for n in seq_lens], device=block_tables.device)[:, None]
-    out_of_pool = (block_tables < 0) | (block_tables > limits.num_blocks) | (used & (block_tables == limits.num_blocks))
-    if bool(out_of_pool.any()):
-        at = out_of_pool.any(dim=1).nonzero().flatten().tolist()
-        raise BatchRejected([rows[i] for i in at], f"a block id outside the pool [0, {limits.num_blocks})")
+    low, high = torch.aminmax(block_tables)
+    if low.item() < 0 or high.item() > limits.num_blocks or _null_inside(block_tables, seq_lens, limits):
+        _block_fault(limits, rows, block_tables, seq_lens)
     _check_range(rows, token_offsets, "slot", slots, limits.num_blocks * bs, "outside the pool's slots")
     _check_range(rows, token_offsets, "position", positions, limits.rope_positions,
                  f"past the RoPE table's {limits.rope_positions} rows")
+
+
+def _null_inside(block_tables: torch.Tensor, seq_lens: Sequence[int], limits: KernelLimits) -> bool:
+    """Whether a row holds the null block where its KV should be: more null entries than
+    its padding (the entries past its ``ceil(len / block_size)`` blocks)."""
+    width, bs = block_tables.shape[1], limits.block_size
+    nulls = block_tables.eq(limits.num_blocks).sum(dim=1).tolist()
+    return any(k > width + (-n // bs) for k, n in zip(nulls, seq_lens))  # width - ceil(n / bs)
+
+
+def _block_fault(limits: KernelLimits, rows: list[str], block_tables: torch.Tensor, seq_lens: Sequence[int]):
+    """The slow path, on a violation only: which rows hold a block id outside the pool."""
+    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < torch.tensor(
+        [-(-n // limits.block_size) for n in seq_lens], device=block_tables.device)[:, None]
+    bad = (block_tables < 0) | (block_tables > limits.num_blocks) | (used & (block_tables == limits.num_blocks))
+    at = bad.any(dim=1).nonzero().flatten().tolist()
+    raise BatchRejected([rows[i] for i in at] or rows, f"a block id outside the pool [0, {limits.num_blocks})")
 
 
 def _check_tensor(rows: list[str], name: str, t: torch.Tensor, dtype: torch.dtype, dim: int,
@@ -103,9 +119,10 @@ def _check_range(rows: list[str], offsets: Sequence[int] | None, what: str, t: t
                  says: str) -> None:
     if t.numel() == 0:
         return
-    bad = (t < 0) | (t >= limit)
-    if not bool(bad.any()):
+    low, high = torch.aminmax(t)
+    if low.item() >= 0 and high.item() < limit:
         return
+    bad = (t < 0) | (t >= limit)
     tokens = bad.nonzero().flatten().tolist()
     at = sorted({i if offsets is None else bisect_right(offsets, i) - 1 for i in tokens})
     raise BatchRejected([rows[i] for i in at if 0 <= i < len(rows)] or rows,
