@@ -322,7 +322,8 @@ def _build(name: str, key: str, source: bytes, symbols: Sequence[str], command, 
         except (OSError, subprocess.SubprocessError) as exc:
             raise BuildFailed(f"{cc} could not run: {exc}") from None
         if done.returncode != 0:
-            errors = [ln for ln in done.stderr.splitlines() if "error" in ln.lower()] or done.stderr.splitlines()
+            errors = [ln for ln in done.stderr.splitlines() if "error" in ln.lower() or "cannot find" in ln]
+            errors = errors or done.stderr.splitlines()
             first = errors[0].strip() if errors else f"exit {done.returncode}"
             hint = " (clang needs LLVM's OpenMP runtime: install libomp-dev, or unset CC)" \
                 if clang and "omp" in done.stderr.lower() else ""
