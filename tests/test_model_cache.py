@@ -204,7 +204,7 @@ def test_resolve_model_converts_a_model_once_across_venvs(tmp_path, monkeypatch)
     monkeypatch.setenv("TICKSERVE_CACHE_DIR", str(tmp_path / "cache"))
     convert = CountingConverter()
     monkeypatch.setattr(model_loader, "_dequantize", convert)
-    payload = os.urandom(50_000)
+    payload = b"GGUF" + (3).to_bytes(4, "little") + os.urandom(50_000)  # resolve_model checks the magic
     a = _fake_gguf(tmp_path / "venv-a", payload)
     b = _fake_gguf(tmp_path / "venv-b", payload)
     assert model_loader.resolve_model(str(a)) == model_loader.resolve_model(str(b))
