@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -110,23 +111,38 @@ def _one_line(text: str) -> str:
     return lines[0]
 
 
-def test_serve_engine_and_frontend_stop_in_one_line_on_files_that_cannot_load(model_copy, tmp_path):
+def test_serve_stops_in_one_line_on_a_truncated_model(model_copy):
+    _truncate(model_copy / "model.safetensors")
+    served, took = _run("-m", "shared.cli", "serve", str(model_copy), "--port", str(free_port()))
+    assert served.returncode == 78 and took < 10, served.stderr
+    assert "model.safetensors: is truncated" in _one_line(served.stderr) and served.stdout == ""
+
+
+def test_the_engine_and_the_frontend_stop_with_one_logged_line(model_copy, tmp_path, caplog):
+    """Each child, as a supervisor starts it should the files change under it (in this process)."""
+    import torch
+
+    from engine_proc.engine import run_engine
+    from frontend.server import run_frontend
+    from shared import config as cfg
+
     no_tokenizer = tmp_path / "no-tokenizer"
     shutil.copytree(model_copy, no_tokenizer, ignore=shutil.ignore_patterns("tokenizer*"))
     unknown = tmp_path / "unknown"  # passes the header checks; transformers refuses the model type
     shutil.copytree(model_copy, unknown)
     config = json.loads((unknown / "config.json").read_text())
     (unknown / "config.json").write_text(json.dumps({**config, "model_type": "no-such-architecture"}))
-    _truncate(model_copy / "model.safetensors")
-    served, took = _run("-m", "shared.cli", "serve", str(model_copy), "--port", str(free_port()))
-    assert served.returncode == 78 and took < 10, served.stderr
-    assert "model.safetensors: is truncated" in _one_line(served.stderr) and served.stdout == ""
-    # each child alone (as a supervisor starts it, should the files change under it)
-    engine, _ = _run("-m", "engine_proc", "--model", str(unknown), "--run-dir", str(tmp_path / "run"),
-                     "--device", "cpu")
-    line = _one_line(engine.stdout + engine.stderr)
-    assert engine.returncode == 78 and "engine cannot start" in line and "no-such-architecture" in line
-    front, _ = _run("-m", "frontend", "--model", str(no_tokenizer), "--run-dir", str(tmp_path / "run"),
-                    "--port", str(free_port()))
-    line = _one_line(front.stdout + front.stderr)
-    assert front.returncode == 78 and "has no tokenizer files" in line and "sentencepiece" not in line
+    run = tmp_path / "run"
+    run.mkdir()
+    engine = cfg.build(cfg.EngineConfig, model=str(unknown), run_dir=str(run), device="cpu",
+                       torch_threads=torch.get_num_threads())
+    with caplog.at_level(logging.ERROR):
+        assert run_engine(engine) == sf.EXIT_CONFIG
+        assert run_frontend(cfg.build(cfg.FrontendConfig, model=str(no_tokenizer), run_dir=str(run))) \
+            == sf.EXIT_CONFIG
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 2 and not any(r.exc_info for r in errors)
+    engine_line, frontend_line = (r.getMessage() for r in errors)
+    assert "engine cannot start" in engine_line and "no-such-architecture" in engine_line
+    assert "has no tokenizer files" in frontend_line and "sentencepiece" not in frontend_line
+    assert "\n" not in engine_line + frontend_line
