@@ -1,18 +1,33 @@
 """④'s inputs and what its logits become (part of :class:`~engine_proc.scheduler.Scheduler`).
 
 Each decode row feeds its last output token at its position; one token per row is
-sampled from the pass's logits and appended under the output rules. With prefix
-caching, each block a row's generated text fills is hashed, so a later prompt that
-repeats it (a chat's next turn) hits it.
+sampled from the pass's logits and appended under the output rules; a pass refused at
+the kernel boundary fails only the rows it names. With prefix caching, each block a
+row's generated text fills is hashed, so a later prompt that repeats it (a chat's next
+turn) hits it.
 """
 
 from __future__ import annotations
 
-from engine_proc.request import Request
+import logging
+
+from engine_proc.backends.kernel_batch import BatchRejected
+from engine_proc.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 class Decode:
     """Mixed into :class:`~engine_proc.scheduler.Scheduler`: the rows of phase ④."""
+
+    def _fail_rejected(self, exc: BatchRejected, rows: list[Request]) -> None:
+        at_fault = set(exc.rows)
+        failed = [r for r in rows if r.request_id in at_fault] or rows
+        log.error("decode pass refused at the kernel boundary: %s; failing %d of its %d rows", exc, len(failed),
+                  len(rows))
+        for req in failed:
+            req.error = f"decode refused: {exc.problem}"
+            self._finish(req, RequestStatus.FINISHED_ERROR)
 
     @staticmethod
     def _decode_inputs(rows: list[Request]) -> tuple[list[str], list[int], list[int]]:

@@ -38,7 +38,7 @@ from engine_proc.runtime_info import runtime_info
 from engine_proc.scheduler import Scheduler
 from engine_proc.stats_window import StatsWindow
 from engine_proc.tick_loop import TICK_OUT_ADDR, TickLoop
-from shared import codec, config as cfg
+from shared import codec, config as cfg, startup_faults
 from shared import protocol as p
 from shared.transport import AddressInUse, AddressLock, EngineInbound, EngineOutbound, Inbound, RoutedOutbound
 
@@ -145,10 +145,10 @@ class EngineServer(IOLoop, TickLoop):
         return self._stop.wait(timeout)
 
 
-EXIT_CONFIG = 78
+EXIT_CONFIG = startup_faults.EXIT_CONFIG
 """Exit status of an engine that cannot start with its configuration (sysexits'
-EX_CONFIG): a missing model, a device this build lacks, a model the backend cannot run,
-an address another engine holds. The supervisor does not restart it."""
+EX_CONFIG): a missing model, weights that cannot load, a device this build lacks, a model
+the backend cannot run, an address another engine holds. The supervisor does not restart it."""
 
 
 class ConfigurationError(RuntimeError):
@@ -182,7 +182,7 @@ def start_engine(config: cfg.EngineConfig) -> "EngineServer":
         scheduler = build_scheduler(config, model)
         warm_up(scheduler)
         return EngineServer(config, scheduler, runtime_info(config, scheduler, str(model_dir)))
-    except (ModelNotFound, NotImplementedError, KernelsUnavailable, AddressInUse) as exc:
+    except (ModelNotFound, startup_faults.StartupFault, NotImplementedError, KernelsUnavailable, AddressInUse) as exc:
         raise ConfigurationError(str(exc)) from None
 
 

@@ -17,19 +17,21 @@ from engine_proc.policy import make_policy
 from engine_proc.scheduler import Scheduler
 from engine_proc.threads import ThreadPlan, usable_cpus
 from shared import config as cfg
-from shared import placement
+from shared import placement, startup_faults
 
 
 def load_model(config: cfg.EngineConfig):
-    """Load the causal LM on the configured device. Returns ``(model, model_dir)``."""
+    """Load the causal LM on the configured device. Returns ``(model, model_dir)``.
+    Raises :class:`~shared.startup_faults.StartupFault` for files that cannot load."""
     from transformers import AutoModelForCausalLM
 
     from shared.models import resolve_model
-
     model_dir = resolve_model(config.model)
+    startup_faults.check_model_dir(model_dir, tokenizer=False)  # the engine needs no tokenizer
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    with startup_faults.faults_of(model_dir, tokenizer=False):
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     return model.to(device).eval(), model_dir
 
 

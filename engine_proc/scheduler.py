@@ -41,6 +41,7 @@ import logging
 from typing import Callable
 
 from engine_proc.admission import Admission
+from engine_proc.backends.kernel_batch import BatchRejected
 from engine_proc.decode import Decode
 from engine_proc.outputs import OutputRules
 from engine_proc.prefill import Prefill
@@ -92,7 +93,11 @@ class Scheduler(Admission, Prefill, Decode, OutputRules, SchedulerState):
         rows = self._active
         if not rows:
             return
-        logits = self.backend.decode_step_batched(*self._decode_inputs(rows))
+        try:
+            logits = self.backend.decode_step_batched(*self._decode_inputs(rows))
+        except BatchRejected as exc:  # refused at the kernel boundary before it ran: fail those rows only
+            self._fail_rejected(exc, list(rows))
+            return
         self._after_decode(rows, logits)
 
     # ------------------------------------------------------------------ ②+④ mixed_batch

@@ -13,6 +13,7 @@ import msgspec
 
 from frontend.context import Frontend
 from frontend.http_errors import HTTPError
+from frontend.request_work import work_problem
 from frontend.schemas import ChatMessage, CompletionRequest
 from shared import protocol as p
 
@@ -74,6 +75,15 @@ def sampling_params(fe: Frontend, body, prompt: PromptInfo, default_max: int | N
         name = problem.split(" ", 1)[0]
         raise HTTPError(400, problem, param=name if name in PARAM_NAMES else None)
     return params
+
+
+def check_work(fe: Frontend, plans: list[tuple[PromptInfo, p.SamplingParams]], n: int, logprobs: int | None,
+               prompt_logprobs: int | None = None) -> None:
+    """HTTP 400 when the request's work exceeds ``--max-request-work`` (frontend/request_work.py)."""
+    problem = work_problem([len(pr.token_ids) for pr, _ in plans], [params.max_tokens for _, params in plans],
+                           n, logprobs, prompt_logprobs, fe.config.max_request_work)
+    if problem:
+        raise HTTPError(400, problem, code="request_work_exceeded")
 
 
 def completion_prompts(fe: Frontend, body: CompletionRequest) -> list[PromptInfo]:

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from frontend.lifecycle import ChoiceState, choice_events, start_choices, watch_disconnect
-from frontend.params import PromptInfo, chat_prompt, sampling_params
+from frontend.params import PromptInfo, chat_prompt, check_work, sampling_params
 from frontend.render import chat_logprobs, sse, sse_response, usage
 from frontend.schemas import ChatCompletionRequest
 from frontend.serving import Serving
@@ -31,8 +31,9 @@ class ChatServing(Serving):
         body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
         prompt = chat_prompt(fe, body.messages, body.add_generation_prompt)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        choices = await start_choices(fe, request, body, [(prompt, sampling_params(fe, body, prompt, None, logprobs))],
-                                      body.n or 1)
+        plans = [(prompt, sampling_params(fe, body, prompt, None, logprobs))]
+        check_work(fe, plans, body.n or 1, logprobs)
+        choices = await start_choices(fe, request, body, plans, body.n or 1)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": fe.model_name}
         if body.stream:

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from frontend.lifecycle import ChoiceState, choice_events, start_choices, watch_disconnect
-from frontend.params import PromptInfo, completion_prompts, sampling_params
+from frontend.params import PromptInfo, check_work, completion_prompts, sampling_params
 from frontend.prompt_logprobs import engine_prompt_logprobs, legacy_prompt_part, vllm_prompt_logprobs
 from frontend.render import completion_logprobs, sse, sse_response, token_str, usage
 from frontend.schemas import DEFAULT_MAX_TOKENS_COMPLETIONS, CompletionRequest
@@ -28,6 +28,7 @@ class CompletionsServing(Serving):
         scoring = engine_prompt_logprobs(bool(body.echo), body.logprobs, body.prompt_logprobs, body.max_tokens)
         plans = [(pr, sampling_params(fe, body, pr, DEFAULT_MAX_TOKENS_COMPLETIONS, body.logprobs, scoring))
                  for pr in prompts]
+        check_work(fe, plans, body.n or 1, body.logprobs, body.prompt_logprobs)
         choices = await start_choices(fe, request, body, plans, body.n or 1)
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": fe.model_name}

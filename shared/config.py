@@ -189,6 +189,7 @@ class FrontendConfig:
     max_body_bytes: int = _opt(4 * 1024 * 1024, "request body size limit, bytes")
     header_timeout_s: float = _opt(10.0, "a connection that has not sent a complete request head this long after its first byte is closed, seconds")
     body_timeout_s: float = _opt(30.0, "a request body not received within this long is answered 408, seconds")
+    max_request_work: int = _opt(1 << 18, "one request's work: prompts × n × (prompt + max_tokens) tokens × (1 + logprobs + prompt_logprobs), in token entries (about 50 bytes of response each); more is answered 400")
     max_connections_per_client: int = _opt(512, "open connections allowed from one client address; more are answered 429 and closed")
     engine_timeout_s: float = _opt(1.0, "no engine heartbeat for this long → engine is down, seconds")
     ack_timeout_s: float = _opt(10.0, "wait for the engine's submit ack at most this long, seconds")
@@ -210,7 +211,7 @@ class FrontendConfig:
             out.append(f"port {self.port} is not in 1..65535")
         if not self.host:
             out.append("host must not be empty")
-        for name in ("max_body_bytes", "max_connections_per_client"):
+        for name in ("max_body_bytes", "max_connections_per_client", "max_request_work"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be at least 1")
         for name in ("header_timeout_s", "body_timeout_s", "engine_timeout_s", "ack_timeout_s"):

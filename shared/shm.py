@@ -108,12 +108,12 @@ def _make_fence():
     """A full memory fence for weakly ordered CPUs; a no-op on x86-64 (see the module doc)."""
     if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
         return lambda: None
-    from shared.native_build import KernelsUnavailable, build_source
+    from shared.native_build import BuildFailed, build_source
 
     try:
         lib = ctypes.CDLL(str(build_source("shm_fence", "void tickserve_fence(void) "
                                                        "{ __atomic_thread_fence(__ATOMIC_SEQ_CST); }\n")))
-    except (KernelsUnavailable, OSError) as exc:
+    except (BuildFailed, OSError) as exc:
         raise RuntimeError(f"no memory fence for the shared-memory rings on {platform.machine()}: {exc}") from None
     fn = lib.tickserve_fence
     fn.restype = None

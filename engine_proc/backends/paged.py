@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_proc.backends.base import Backend, PrefillChunk
+from engine_proc.backends.kernel_batch import BatchRejected, KernelLimits, check_batch
 from engine_proc.backends.paged_attention import (ATTN_IMPLEMENTATION, DecodeAttention, MixedForward,
                                                   PagedForward, meta_is_prefill)
 from engine_proc.block_pool import BlockPool, cdiv
@@ -143,6 +144,8 @@ class PagedBackend(Backend):
         if self.threads is not None:
             self.threads.kernels = self.kernels
         self.pairs_per_token = pairs_per_token(model, heads, head_dim)
+        rope_rows = self.runner.cos_sin.shape[0] if self.runner is not None else max_model_len
+        self.limits = KernelLimits(block_pool.num_blocks, self.block_size, rope_rows, self.device)
         if self.runner is not None:
             self.runner.prefill_plan = measure_prefill_attention(self.kernels, self.cache, heads, head_dim,
                                                                  self.threads)
@@ -203,7 +206,7 @@ class PagedBackend(Backend):
         for c in chunks:
             row = self._rows.get(c.row_id) or self._start_row(c.row_id)
             if row.seq_len != c.start_pos:
-                raise ValueError(f"row {c.row_id}: KV holds {row.seq_len} tokens, chunk starts at {c.start_pos}")
+                raise BatchRejected([c.row_id], f"KV holds {row.seq_len} tokens, the chunk starts at {c.start_pos}")
             n = len(c.token_ids)
             end = c.start_pos + n
             self._check_room(c.row_id, row, end)
@@ -224,7 +227,10 @@ class PagedBackend(Backend):
             cache=self.cache, slots=torch.cat(slots), is_prefill=True, seq_lens=lens, segments=segments,
             block_tables=torch.tensor([t + [null] * (width - len(t)) for t in tables], dtype=torch.int32,
                                       device=self.device), kernels=self.kernels)
-        return _PassPart(meta, torch.tensor(ids, dtype=torch.long, device=self.device), torch.cat(positions),
+        pos = torch.cat(positions)
+        check_batch(self.limits, [c.row_id for c in chunks], meta.block_tables, lens, meta.slots, pos,
+                    token_offsets=[seg[0] for seg in segments])
+        return _PassPart(meta, torch.tensor(ids, dtype=torch.long, device=self.device), pos,
                          torch.tensor(last, device=self.device), rows, spans)
 
     def _start_row(self, row_id: str) -> _Row:
@@ -251,15 +257,16 @@ class PagedBackend(Backend):
         return logits
 
     def _decode_inputs(self, row_ids, token_ids, positions) -> "_PassPart":
-        """Inputs of one decode step (one token per decode row). Validates; changes no row state."""
+        """Inputs of one decode step (one token per decode row). Validates (raises
+        :class:`BatchRejected`); changes no row state."""
         if list(row_ids) != self._decode:
-            raise ValueError("decode rows differ from the promoted rows")
+            raise BatchRejected(list(row_ids), "decode rows differ from the promoted rows")
         rows = [self._rows[r] for r in row_ids]
         bs = self.block_size
         slots, tables, lens = [], [], []
         for rid, row, pos in zip(row_ids, rows, positions):
             if pos != row.seq_len:
-                raise ValueError(f"row {rid}: KV holds {row.seq_len} tokens, token fed at position {pos}")
+                raise BatchRejected([rid], f"KV holds {row.seq_len} tokens, a token fed at position {pos}")
             self._check_room(rid, row, pos + 1)
             slots.append(row.block_ids[pos // bs] * bs + pos % bs)
             tables.append(row.block_ids[: pos // bs + 1])
@@ -279,6 +286,7 @@ class PagedBackend(Backend):
             meta.key_mask = key_mask[:, None, None, :]
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         pos = torch.tensor(list(positions), dtype=torch.long, device=self.device)
+        check_batch(self.limits, list(row_ids), block_tables, lens, meta.slots, pos, kernel_lens=meta.kernel_lens)
         return _PassPart(meta, ids, pos, torch.arange(len(rows), device=self.device),
                          [(row, row.seq_len + 1) for row in rows])
 
@@ -335,8 +343,7 @@ class PagedBackend(Backend):
             if self._reads_block_tails:
                 self.cache.zero_blocks(row.block_ids[old:])
             if num_tokens > len(row.block_ids) * self.block_size:
-                raise ValueError(f"row {row_id}: {num_tokens} tokens exceed its "
-                                 f"{len(row.block_ids)} blocks")
+                raise BatchRejected([row_id], f"{num_tokens} tokens exceed its {len(row.block_ids)} blocks")
 
     def _slots(self, block_ids: list[int], positions: range) -> torch.Tensor:
         bs = self.block_size

@@ -1,36 +1,42 @@
 """Compile ``cpu_kernels.c`` for this CPU at run time, cache the shared library, load it.
 
-The library is built once per (source, compiler, CPU features, dtype, head_dim, group,
-block_size) with ``cc -O3 -march=native -fopenmp`` (about a second) and kept under
-``<cache>/kernels/<key>.so`` (``<cache>`` as for converted models: ``TICKSERVE_CACHE_DIR``,
-default ``~/.cache/tickserve``) by :mod:`shared.native_build`, which writes a temporary
-file and renames it into place, so two engines starting at once both end with one
-complete library.
+The library is built once per (source, CPU, dtype, head_dim, group, block_size) with
+``cc -O3 -march=native -fopenmp`` (about a second) and kept in the kernel cache
+(:mod:`shared.native_build`: looked up without a compiler, checked before it is loaded, rebuilt
+when it is damaged, built by one process while the others wait). gcc and clang both
+build it; clang's OpenMP code needs LLVM's runtime (libomp), whose idle threads are told
+not to spin (``KMP_BLOCKTIME=0``) so they leave the cores to torch's own pool.
 
-:func:`load` raises :class:`KernelsUnavailable` (no compiler, a failed build, a dtype the
-C code does not handle); callers then fall back to :mod:`engine_proc.kernels.torch_ops`.
+:func:`load` raises :class:`KernelsUnavailable` (no compiler and no cached build, a failed
+build, an unwritable cache, a dtype the C code does not handle) in one line; callers then
+fall back to :mod:`engine_proc.kernels.torch_ops`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from shared.cache_dir import cache_root
-from shared.native_build import KernelsUnavailable, compile_library, compiler, compiler_version, cpu_flags
+from shared.native_build import BuildFailed, cached_library, compiler, entry_of
 
 log = logging.getLogger(__name__)
+
+__all__ = ["KernelShape", "KernelsUnavailable", "build", "compiler", "load"]
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
           "-std=gnu11", "-ffp-contract=fast", "-Wall", "-Werror=implicit-function-declaration")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class KernelsUnavailable(RuntimeError):
+    """The C kernels cannot be built or loaded here (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -47,20 +53,10 @@ class KernelShape:
                 f"-DBLOCK_SIZE={self.block_size}"]
 
 
-def library_path(shape: KernelShape, cc: str) -> Path:
-    """Where the library for ``shape`` lives in the cache (keyed on everything that
-    changes the machine code)."""
-    h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + tuple(shape.defines())).encode(),
-                 compiler_version(cc).encode(), cpu_flags().encode(), platform.machine().encode()):
-        h.update(part + b"\0")
-    return cache_root() / "kernels" / f"cpu_kernels-{h.hexdigest()[:16]}.so"
-
-
 def build(shape: KernelShape) -> Path:
-    """The compiled library for ``shape``, building it if the cache lacks it.
+    """The checked library for ``shape`` from the kernel cache, built if it lacks one.
 
-    Raises :class:`KernelsUnavailable` when there is no compiler or the build fails."""
+    Raises :class:`KernelsUnavailable` when there is none and none can be built."""
     if shape.dtype not in DTYPES:
         raise KernelsUnavailable(f"no C kernels for {shape.dtype} (float32 and bfloat16 only)")
     if shape.head_dim % 16 or shape.block_size % 16:
@@ -68,15 +64,12 @@ def build(shape: KernelShape) -> Path:
                                  "multiples of 16")
     if platform.system() != "Linux":
         raise KernelsUnavailable(f"C kernels are built on Linux only, not {platform.system()}")
-    cc = compiler()
-    if cc is None:
-        raise KernelsUnavailable("no C compiler (cc or gcc) on PATH")
-    path = library_path(shape, cc)
-    if not path.exists():
-        compile_library(path, "the C kernels",
-                        lambda out: [cc, *CFLAGS, *shape.defines(), str(SOURCE), "-o", out, "-lm"], timeout=300)
-        log.info("built the C kernels for %s into %s", shape, path)
-    return path
+    flags = CFLAGS + tuple(shape.defines())
+    try:
+        return cached_library("cpu_kernels", SOURCE.read_bytes(), flags, tuple(SIGNATURES),
+                              lambda cc, clang, src, out: [cc, *flags, src, "-o", out, "-lm"])
+    except BuildFailed as exc:
+        raise KernelsUnavailable(str(exc)) from None
 
 
 _P = ctypes.c_void_p
@@ -94,14 +87,23 @@ SIGNATURES = {
 
 def load(shape: KernelShape) -> ctypes.CDLL:
     """Build (if needed) and load the library for ``shape``; its functions carry their
-    argument types. Raises :class:`KernelsUnavailable`."""
-    path = build(shape)
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        raise KernelsUnavailable(f"loading {path} failed: {exc}") from None
-    for name, argtypes in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = None
-    return lib
+    argument types. A library that passed the cache's checks but still does not load is
+    rebuilt once. Raises :class:`KernelsUnavailable`."""
+    for attempt in range(2):
+        path = build(shape)
+        try:
+            if entry_of(path).get("clang"):
+                os.environ.setdefault("KMP_BLOCKTIME", "0")  # LLVM's OpenMP threads: sleep when idle
+            lib = ctypes.CDLL(str(path))
+            for name, argtypes in SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes = argtypes
+                fn.restype = None
+            return lib
+        except (OSError, AttributeError, ValueError) as exc:
+            if attempt:
+                raise KernelsUnavailable(f"loading {path} failed: {exc}") from None
+            log.warning("loading %s failed (%s); rebuilding it", path, exc)
+            for stale in (path, path.with_suffix(".json")):
+                stale.unlink(missing_ok=True)
+    raise AssertionError("unreachable")
