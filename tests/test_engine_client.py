@@ -98,75 +98,71 @@ def standin():
     shutil.rmtree(run, ignore_errors=True)
 
 
-def _client(run: str) -> EngineClient:
-    return EngineClient(FrontendConfig(run_dir=run, transport="shm", frontend_id="fe-under-test"))
+def _with_client(run: str, body) -> None:
+    """Run ``await body(client, stream)`` on a fresh event loop: a started client, up
+    (welcomed), with one request ("in-flight") whose stream is ``stream``; closed after."""
+    async def main():
+        client = EngineClient(FrontendConfig(run_dir=run, transport="shm", frontend_id="fe-under-test"))
+        client.start(asyncio.get_running_loop())
+        try:
+            await peers.until(lambda: client.is_up, 10, "client up")
+            await body(client, await client.submit("in-flight", [5, 6, 7], p.SamplingParams(max_tokens=8)))
+        finally:
+            client.close()
+
+    asyncio.run(main())
 
 
 def test_an_abort_is_retried_past_a_full_ring_and_no_send_stalls_the_event_loop(standin):
     run, engine = standin
 
-    async def main():
-        client = _client(run)
-        client.start(asyncio.get_running_loop())
-        try:
-            await peers.until(lambda: client.is_up, 10, "client up")
-            await client.submit("victim", [5, 6, 7], p.SamplingParams(max_tokens=8))
-            engine.reading = False
-            await asyncio.sleep(0.05)
-            lag = peers.LoopLag()
-            for _ in range(300):  # fill the 4 KiB ring (each tried once, then given up)
-                client._post(p.Heartbeat(client.frontend_id), 0.0)
-            await peers.until(lambda: client.channel.outbound.free() < 64, 5, "ring full")
-            client.abort(["victim"])  # the client left: the engine must hear of it
-            with pytest.raises(EngineUnavailable):  # a send that cannot go fails its caller, in time
-                await client.stats(timeout=3.0)
-            await asyncio.sleep(0.3)
-            assert client.aborts_pending == 1 and engine.aborted == []
-            assert lag.worst < 0.1, f"the event loop stalled {lag.worst:.3f}s"
-            engine.reading = True
-            await peers.until(lambda: "victim" in engine.aborted, 5, "the abort delivered")
-            assert client.aborts_pending == 0
-            lag.stop()
-        finally:
-            client.close()
+    async def body(client, stream):
+        engine.reading = False  # seen within its 20 ms poll: 300 heartbeats are twice the ring
+        lag = peers.LoopLag()
+        for _ in range(300):  # fill the 4 KiB ring (each tried once, then given up)
+            client._post(p.Heartbeat(client.frontend_id), 0.0)
+        await peers.until(lambda: client.channel.outbound.free() < 64, 5, "ring full")
+        client.abort(["in-flight"])  # the client left: the engine must hear of it
+        with pytest.raises(EngineUnavailable):  # a send that cannot go fails its caller, in time
+            await client.stats(timeout=3.0)
+        await asyncio.sleep(0.3)
+        assert client.aborts_pending == 1 and engine.aborted == []
+        assert lag.worst < 0.1, f"the event loop stalled {lag.worst:.3f}s"
+        engine.reading = True
+        await peers.until(lambda: "in-flight" in engine.aborted, 5, "the abort delivered")
+        assert client.aborts_pending == 0
+        lag.stop()
 
-    asyncio.run(main())
+    _with_client(run, body)
 
 
 def test_the_receiver_survives_a_bad_ring_and_anything_unexpected_and_comes_back_up(standin):
     run, engine = standin
 
-    async def main():
-        client = _client(run)
-        client.start(asyncio.get_running_loop())
-        try:
-            await peers.until(lambda: client.is_up, 10, "client up")
-            stream = await client.submit("in-flight", [5, 6, 7], p.SamplingParams(max_tokens=8))
-            engine.paused = True
-            await asyncio.sleep(0.05)
-            peer = engine.peer()
-            peer.outbound._idx[shm_ring._TAIL] = shm_ring.M64  # the engine's tail, out of range
-            shm._doorbell(peer.out_bell)
-            out = await asyncio.wait_for(stream.queue.get(), 5)
-            assert out.finish_reason == p.FinishReason.ERROR  # the in-flight request failed, loudly
-            await peers.until(lambda: not client.channel.connected or client.channel.connections > 1, 5, "dropped")
-            engine.paused = False
-            await peers.until(lambda: client.is_up and client.channel.connections == 2, 10, "up again")
-            assert client._thread.is_alive() and engine.frontends.accepted == 2
-            # anything unexpected in the receiver: it drops the connection and connects again
-            real_poll, calls = client.channel.poll, []
+    async def body(client, stream):
+        engine.paused = True
+        await asyncio.sleep(0.05)
+        peer = engine.peer()
+        peer.outbound._idx[shm_ring._TAIL] = shm_ring.M64  # the engine's tail, out of range
+        shm._doorbell(peer.out_bell)
+        out = await asyncio.wait_for(stream.queue.get(), 5)
+        assert out.finish_reason == p.FinishReason.ERROR  # the in-flight request failed, loudly
+        await peers.until(lambda: not client.channel.connected or client.channel.connections > 1, 5, "dropped")
+        engine.paused = False
+        await peers.until(lambda: client.is_up and client.channel.connections == 2, 10, "up again")
+        assert client._thread.is_alive() and engine.frontends.accepted == 2
+        # anything unexpected in the receiver: it drops the connection and connects again
+        real_poll, calls = client.channel.poll, []
 
-            def broken_poll(timeout_ms):
-                if not calls:
-                    calls.append(1)
-                    raise RuntimeError("unexpected")
-                return real_poll(timeout_ms)
+        def broken_poll(timeout_ms):
+            if not calls:
+                calls.append(1)
+                raise RuntimeError("unexpected")
+            return real_poll(timeout_ms)
 
-            client.channel.poll = broken_poll
-            await peers.until(lambda: calls and client.is_up and client.channel.connections == 3, 10, "up after a bug")
-            assert client._thread.is_alive()
-            await client.submit("after", [5, 6], p.SamplingParams(max_tokens=2))
-        finally:
-            client.close()
+        client.channel.poll = broken_poll
+        await peers.until(lambda: calls and client.is_up and client.channel.connections == 3, 10, "up after a bug")
+        assert client._thread.is_alive()
+        await client.submit("after", [5, 6], p.SamplingParams(max_tokens=2))
 
-    asyncio.run(main())
+    _with_client(run, body)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from shared import shm
 from shared import shm_ring
+from tests import shm_peers as peers
 from tests.procs import REPO, _env
 
 pytestmark = pytest.mark.skipif(shm.available() is not None, reason=f"no shared memory here: {shm.available()}")
@@ -126,63 +127,33 @@ def test_rings_are_sealed_and_an_unsealed_memfd_is_refused():
 
 # ---------------------------------------------------------------- two processes
 
-_CHILD = r"""
+_WRITER = r"""
 import os, sys, time
-from shared import shm, shm_ring
-fd, bell, mode, n = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+from shared import shm
+fd, bell, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 ring = shm.Ring(fd)
-if mode == "store":  # every 16-bit lane of the value holds the same count, never 0: a torn load mixes lanes
-    idx, k = ring._idx, 0x0001000100010001
-    for i in range(n):
-        v = (i % 0xFFFF + 1) * k
-        idx[shm_ring._TAIL] = v
-        idx[shm_ring._HEAD] = v
-    os.eventfd_write(bell, 1)
-else:  # write n records (sizes vary, the ring fills and wraps), ringing the doorbell after each
-    full = 0
-    for i in range(n):
-        payload = (i % 251).to_bytes(1, "little") * (i % 61)
-        while not ring.try_write(shm.DATA_KIND, shm.OWN, i, payload):
-            full += 1
-            time.sleep(0.00005)
-        shm._doorbell(bell)
-    print(full)
+full = 0  # write n records (sizes vary, the ring fills and wraps), ringing the doorbell after each
+for i in range(n):
+    payload = (i % 251).to_bytes(1, "little") * (i % 61)
+    while not ring.try_write(shm.DATA_KIND, shm.OWN, i, payload):
+        full += 1
+        time.sleep(0.00005)
+    shm._doorbell(bell)
+print(full)
 """
 
 
-def _child(fd: int, bell: int, mode: str, n: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", _CHILD, str(fd), str(bell), mode, str(n)], pass_fds=(fd, bell),
+def _writer(fd: int, bell: int, n: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _WRITER, str(fd), str(bell), str(n)], pass_fds=(fd, bell),
                             env=_env(), cwd=REPO, stdout=subprocess.PIPE, text=True)
 
 
 def test_index_loads_and_stores_are_never_torn_across_processes():
-    """The child stores HEAD and TAIL 2 M times each; every load here, of either, is a value
-    some store wrote (with struct's byte-by-byte ``"<Q"`` stores, 5 % of these loads were
+    """A child stores HEAD and TAIL 2 M times each; every load here, of either, is a value
+    some store wrote (with struct's byte-by-byte ``"<Q"`` accesses, 4 % of such loads were
     torn: 0, or half old and half new)."""
-    reader, fd = shm.Ring.create("test-ring", 1 << 12, 1)
-    bell = os.eventfd(0, os.EFD_NONBLOCK)
-    child = _child(fd, bell, "store", 2_000_000)
-    idx, k, loads, torn, stored = reader._idx, 0x0001000100010001, 0, 0, 0
-    try:
-        while True:
-            for _ in range(10_000):
-                for slot in (shm_ring._TAIL, shm_ring._HEAD):
-                    v = idx[slot]
-                    torn += v != (v & 0xFFFF) * k or (v == 0 and stored > 0)
-                    stored += v != 0
-                loads += 2
-            try:
-                os.eventfd_read(bell)
-                break
-            except BlockingIOError:
-                pass
-        assert child.wait(30) == 0
-    finally:
-        child.kill()
-        os.close(fd)
-        os.close(bell)
-        reader.close()
-    assert stored >= 100_000 and torn == 0, f"{torn} of {loads} loads torn"
+    got = peers.torn_index_loads(old=False, stores=2_000_000)
+    assert got["seen_stored"] >= 100_000 and got["torn"] == 0, got
 
 
 def test_two_processes_stream_records_with_no_false_full_and_no_lost_wakeup():
@@ -194,7 +165,7 @@ def test_two_processes_stream_records_with_no_false_full_and_no_lost_wakeup():
     n = 300_000
     reader, fd = shm.Ring.create("test-ring", 1 << 12, 1, start=(1 << 64) - (1 << 16))
     bell = os.eventfd(0, os.EFD_NONBLOCK)
-    child = _child(fd, bell, "records", n)
+    child = _writer(fd, bell, n)
     poller = select.poll()
     poller.register(bell, select.POLLIN)
     got, lost_wakeups, wakeups = 0, 0, 0
