@@ -99,7 +99,8 @@ class EngineServer(IOLoop, TickLoop):
         if why_not:
             log.warning("shared-memory transport unavailable (%s): frontends use ZeroMQ", why_not)
             return None
-        return ShmFrontends(config.run_dir, int(self.engine_id, 16), self.outbound, config.shm_ring_bytes)
+        return ShmFrontends(config.run_dir, int(self.engine_id, 16), self.outbound, config.shm_ring_bytes,
+                            config.max_shm_peers)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -68,7 +68,7 @@ class IOLoop:
                         if frame is None:
                             break
                         self._on_frame(frame)
-                if self.shm is not None and events:
+                if self.shm is not None:  # also with no events: handshake deadlines, peers that failed
                     self.shm.handle(events, time.monotonic() + self.IO_SLICE_S, self._on_frame, self._frontend_gone)
         except Exception as exc:  # the engine cannot serve without its I/O thread
             log.exception("I/O thread failed")
@@ -146,6 +146,9 @@ class IOLoop:
             return
         if carrier_frontend is not None and msg.frontend_id != carrier_frontend:
             self._drop(f"frontend {carrier_frontend} sent a message for {msg.frontend_id!r}")
+            return
+        if carrier_frontend is None and self.shm is not None and self.shm.owns(msg.frontend_id):
+            self._drop(f"a ZeroMQ message for {msg.frontend_id!r}, a frontend connected over shared memory")
             return
         try:
             self._on_message(msg)

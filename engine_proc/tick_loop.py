@@ -97,21 +97,26 @@ class TickLoop:
                 self.scheduler.abort_frontend(item.frontend_id)
             elif isinstance(item, p.StatsRequest):
                 out.send_multipart([topic_for(item.frontend_id),
-                                    codec.encode(p.Stats(item.nonce, self._stats_data()))])
+                                    codec.encode(p.Stats(item.nonce, self._stats_data(per_frontend=True)))])
 
-    def _stats_data(self, scheduler_stats: dict | None = None) -> dict:
+    def _stats_data(self, scheduler_stats: dict | None = None, per_frontend: bool = False) -> dict:
         """``/scheduler/stats``: the scheduler's counters, the engine's, and the last
-        published window (rates and latency percentiles, see :mod:`stats_window`)."""
+        published window (rates and latency percentiles, see :mod:`stats_window`). The map
+        of every frontend (``per_frontend``) only in an answer to a request: in the broadcast,
+        which every frontend gets, it would grow with the square of the frontends."""
         sched = scheduler_stats or self.scheduler.stats()
         rejected = dict(self.rejected)  # before the ack (gate 1, invalid, never fits, draining)
         for code, n in sched.get("rejected_by_code", {}).items():  # at admission (hard-reject)
             rejected[code] = rejected.get(code, 0) + n
-        carriers = {fid: {"carrier": "zmq"} for fid in list(self._frontends)}
+        frontends = {"num_frontends": len(self._frontends)}
         if self.shm is not None:
-            carriers.update(self.shm.stats())
+            frontends["shm"] = self.shm.summary()
+        if per_frontend:
+            carriers = {fid: {"carrier": "zmq"} for fid in list(self._frontends)}
+            carriers.update(self.shm.stats() if self.shm is not None else {})
+            frontends["frontends"] = carriers
         return dict(sched, num_waiting=self.num_waiting, num_rejected=sum(rejected.values()),
-                    rejected_by_code=rejected, bad_frames=self.bad_frames, num_frontends=len(self._frontends),
-                    frontends=carriers,
+                    rejected_by_code=rejected, bad_frames=self.bad_frames, **frontends,
                     engine_id=self.engine_id, runtime=msgspec.structs.asdict(self.runtime),
                     window=self.stats_window.latest)
 
