@@ -150,7 +150,7 @@ class ShmFrontends:
         if got is None:
             return
         msg, fds = got
-        shm._close_all(fds)
+        shm.close_all(fds)
         self._end_handshake(pending, close=False)
         try:
             frontend_id = shm.parse_hello(msg)

@@ -41,6 +41,7 @@ from shared import protocol as p
 from shared.config import FrontendConfig
 from shared.protocol import BROADCAST_TOPIC
 from shared import shm
+from shared import shm_channel
 from shared.transport import Client, ClientChannel, SequenceGap, topic_for
 
 log = logging.getLogger("tickserve.frontend")
@@ -451,7 +452,7 @@ def open_channel(config: FrontendConfig, frontend_id: str, topic: bytes, ctx: zm
     if config.transport in ("auto", "shm") and on_host:
         why_not = shm.available()
         if why_not is None:
-            return shm.ShmChannel(config.run_dir, frontend_id, topic, BROADCAST_TOPIC)
+            return shm_channel.ShmChannel(config.run_dir, frontend_id, topic, BROADCAST_TOPIC)
         if config.transport == "shm":
             raise RuntimeError(f"transport shm: {why_not}")
         log.warning("shared memory unavailable (%s): using ZeroMQ", why_not)

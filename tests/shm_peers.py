@@ -10,13 +10,14 @@ from pathlib import Path
 
 from shared import protocol as p
 from shared import shm
+from shared import shm_channel
 from shared.transport import topic_for
 
 
-def rogue(run: Path | str, name: str) -> shm.ShmChannel:
+def rogue(run: Path | str, name: str) -> shm_channel.ShmChannel:
     """A connected channel under frontend id ``name``, to misuse; raises ``AssertionError``
     with the engine's reason if it refused."""
-    chan = shm.ShmChannel(str(run), name, topic_for(name), p.BROADCAST_TOPIC)
+    chan = shm_channel.ShmChannel(str(run), name, topic_for(name), p.BROADCAST_TOPIC)
     assert chan.connect(), chan.refusal
     return chan
 

@@ -144,7 +144,7 @@ def test_the_receiver_survives_a_bad_ring_and_anything_unexpected_and_comes_back
         await asyncio.sleep(0.05)
         peer = engine.peer()
         peer.outbound._idx[shm_ring._TAIL] = shm_ring.M64  # the engine's tail, out of range
-        shm._doorbell(peer.out_bell)
+        shm.ring_doorbell(peer.out_bell)
         out = await asyncio.wait_for(stream.queue.get(), 5)
         assert out.finish_reason == p.FinishReason.ERROR  # the in-flight request failed, loudly
         await peers.until(lambda: not client.channel.connected or client.channel.connections > 1, 5, "dropped")

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from shared import shm
+from shared import shm_channel
 from shared import protocol as p
 from shared.transport import topic_for
 from tests.procs import REPO, ProcessGroup, _env, free_port, http_json, start_stack, stats, wait_for, wait_healthy
@@ -200,17 +201,17 @@ def test_frames_larger_than_a_ring_arrive_in_order(tmp_path, tiny_model_dir, run
 def test_garbage_written_into_a_ring_is_counted_and_dropped(tmp_path, tiny_model_dir, run_dir):
     group, base = _stack(tmp_path, tiny_model_dir, run_dir)
     try:
-        rogue = shm.ShmChannel(str(run_dir), "rogue-fe", topic_for("rogue-fe"), p.BROADCAST_TOPIC)
+        rogue = shm_channel.ShmChannel(str(run_dir), "rogue-fe", topic_for("rogue-fe"), p.BROADCAST_TOPIC)
         assert rogue.connect()
         ring = rogue.outbound
         for junk in (b"\x00" * 64, os.urandom(300), b"\xff" * 40):  # records of garbage, and garbage records
             assert ring.try_write(shm.DATA_KIND, shm.OWN, 0, junk)
-            shm._doorbell(rogue.out_bell)
+            shm.ring_doorbell(rogue.out_bell)
         at = shm.DATA + ring._tail % ring.capacity
         ring.buf[at: at + 32] = os.urandom(32)
         ring._tail += 32  # as a writer would publish it: within the ring, over garbage
         ring._idx[shm.TAIL // 8] = ring._tail
-        shm._doorbell(rogue.out_bell)
+        shm.ring_doorbell(rogue.out_bell)
         # a header that is not one: counted, and everything up to the writer's tail skipped
         wait_for(lambda: stats(base)["frontends"]["rogue-fe"]["bad_records"] >= 1, 10, what="bad record counted")
         rogue.send(p.Hello("someone-else"))  # a ring may only speak for its own frontend

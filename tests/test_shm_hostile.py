@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shared import codec, shm, shm_ring
+from shared import codec, shm, shm_channel, shm_ring
 from shared import protocol as p
 from shared.transport import topic_for
 from tests.procs import Witness, start_stack, stats, wait_for
@@ -49,7 +49,7 @@ def test_an_overflow_marker_with_no_frame_retires_only_that_peer(stack):
     with Witness(base, group.procs) as w:
         rogue = peers.rogue(run, "rogue-overflow")
         assert rogue.outbound.try_write(shm.OVERFLOW_KIND, shm.OWN, 0, b"")  # and no frame on the socket
-        shm._doorbell(rogue.out_bell)
+        shm.ring_doorbell(rogue.out_bell)
         assert peers.closed_by_engine(rogue.sock, 2.0) is not None
         rogue.close()
         # a message on the socket that is not a frame, and frames that no marker claims
@@ -72,7 +72,7 @@ def test_ring_positions_out_of_range_retire_only_that_peer(stack):
         rogue = peers.rogue(run, "rogue-inbound")  # the finding: inbound HEAD = 2^64 - 8, TAIL = 2^64 - 1
         rogue.outbound._idx[shm_ring._HEAD] = shm_ring.M64 - 7
         rogue.outbound._idx[shm_ring._TAIL] = shm_ring.M64
-        shm._doorbell(rogue.out_bell)
+        shm.ring_doorbell(rogue.out_bell)
         assert peers.closed_by_engine(rogue.sock, 2.0) is not None
         rogue.close()
         rogue = peers.rogue(run, "rogue-head")  # the engine's outbound ring: a head past its tail
@@ -144,7 +144,7 @@ def test_a_live_frontends_id_is_refused_and_a_reconnect_that_closed_first_is_adm
     group, run, base = stack
     victim = stats(base)["frontend"]["frontend_id"]
     with Witness(base, group.procs) as w:
-        thief = shm.ShmChannel(str(run), victim, topic_for(victim), p.BROADCAST_TOPIC)
+        thief = shm_channel.ShmChannel(str(run), victim, topic_for(victim), p.BROADCAST_TOPIC)
         assert not thief.connect()
         assert "held by a live connection" in thief.refusal
         again = peers.rogue(run, "reconnects")
@@ -160,7 +160,7 @@ def test_peers_past_the_cap_are_refused_and_the_broadcast_holds_no_per_peer_map(
     wait_for(lambda: _shm_summary(base)["peers"] == 1, 10, what="only the real frontend connected")
     fds_before = len(os.listdir(f"/proc/{engine_pid}/fd"))
     with Witness(base, group.procs) as w:
-        chans = [shm.ShmChannel(str(run), f"crowd-{i}", topic_for(f"crowd-{i}"), p.BROADCAST_TOPIC)
+        chans = [shm_channel.ShmChannel(str(run), f"crowd-{i}", topic_for(f"crowd-{i}"), p.BROADCAST_TOPIC)
                  for i in range(300)]
         admitted = [c.connect() for c in chans]
         assert sum(admitted) == MAX_PEERS - 1

@@ -138,7 +138,7 @@ for i in range(n):
     while not ring.try_write(shm.DATA_KIND, shm.OWN, i, payload):
         full += 1
         time.sleep(0.00005)
-    shm._doorbell(bell)
+    shm.ring_doorbell(bell)
 print(full)
 """
 
@@ -172,7 +172,7 @@ def test_two_processes_stream_records_with_no_false_full_and_no_lost_wakeup():
     t0 = time.monotonic()
     try:
         while got < n and time.monotonic() - t0 < 60:
-            shm._drain_doorbell(bell)
+            shm.drain_doorbell(bell)
             while (rec := reader.read()) is not None:
                 kind, _, seq, payload = rec
                 assert seq == got and payload == (got % 251).to_bytes(1, "little") * (got % 61)

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from shared import codec, shm, shm_ring
+from shared import codec, shm, shm_channel, shm_ring
 from shared import protocol as p
 from shared.transport import topic_for
 from tests import shm_peers as peers
@@ -67,7 +67,7 @@ def f1_overflow_without_frame(run: Path) -> dict:
     rogue = peers.rogue(run, "rogue-overflow")
     rogue.outbound.try_write(shm.OVERFLOW_KIND, shm.OWN, 0, b"")
     t0 = time.monotonic()
-    shm._doorbell(rogue.out_bell)
+    shm.ring_doorbell(rogue.out_bell)
     took = peers.closed_by_engine(rogue.sock, 5)
     rogue.close()
     return {"peer_retired_after_ms": None if took is None else round((time.monotonic() - t0) * 1000, 1)}
@@ -78,7 +78,7 @@ def f2_positions_near_2_64(run: Path) -> dict:
     rogue = peers.rogue(run, "rogue-inbound")
     rogue.outbound._idx[shm_ring._HEAD], rogue.outbound._idx[shm_ring._TAIL] = shm_ring.M64 - 7, shm_ring.M64
     t0 = time.monotonic()
-    shm._doorbell(rogue.out_bell)
+    shm.ring_doorbell(rogue.out_bell)
     gone = peers.closed_by_engine(rogue.sock, 5) is not None
     out["inbound_head_tail_near_2^64_retired_after_ms"] = round((time.monotonic() - t0) * 1000, 1) if gone else None
     rogue.close()
@@ -157,7 +157,7 @@ def f5_live_id(run: Path, base: str) -> dict:
     t = threading.Thread(target=lambda: results.extend(_streams(base, 6, 200)))
     t.start()
     time.sleep(0.5)
-    thief = shm.ShmChannel(str(run), victim, topic_for(victim), p.BROADCAST_TOPIC)
+    thief = shm_channel.ShmChannel(str(run), victim, topic_for(victim), p.BROADCAST_TOPIC)
     admitted = thief.connect()
     thief.close()
     t.join(120)
@@ -172,7 +172,7 @@ def f6_many_peers(run: Path, base: str, engine_pid: int, n: int = 500) -> dict:
     wait_for(lambda: stats(base)["shm"]["peers"] <= 2, 20, what="back to the frontend and the witness")
     fds_before, maps_before = _fds(engine_pid), _ring_bytes(engine_pid)
     t0 = time.monotonic()
-    chans = [shm.ShmChannel(str(run), f"crowd-{i}", topic_for(f"crowd-{i}"), p.BROADCAST_TOPIC)
+    chans = [shm_channel.ShmChannel(str(run), f"crowd-{i}", topic_for(f"crowd-{i}"), p.BROADCAST_TOPIC)
              for i in range(n)]
     admitted = sum(c.connect() for c in chans)
     took = time.monotonic() - t0
@@ -290,7 +290,7 @@ def _streams(base: str, n: int, max_tokens: int) -> list[bool]:
     return list(asyncio.run(go()))
 
 
-def _broadcast_bytes(chan: shm.ShmChannel) -> int | None:
+def _broadcast_bytes(chan: shm_channel.ShmChannel) -> int | None:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         if chan.poll(100):
