@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from frontend.engine_sender import STOP, SenderThread
 from shared import protocol as p
 from shared.config import FrontendConfig
 from shared.protocol import BROADCAST_TOPIC
@@ -75,21 +76,7 @@ class RequestStream:
             yield out
 
 
-@dataclass
-class _Outgoing:
-    """One message for the sender thread: sent by ``deadline`` (monotonic) or ``on_fail``
-    (called on the event loop with the exception) is called."""
-
-    msg: object
-    deadline: float
-    on_fail: object = None
-
-
-_STOP = object()
-MAX_PENDING_ABORTS = 100_000  # request ids waiting for room in the engine's ring
-
-
-class EngineClient:
+class EngineClient(SenderThread):
     """Thread-safe facade used from the event loop."""
 
     def __init__(self, config: FrontendConfig, ctx: zmq.Context | None = None):
@@ -147,7 +134,7 @@ class EngineClient:
 
     def close(self) -> None:
         self._stop.set()
-        self._outbox.put(_STOP)
+        self._outbox.put(STOP)
         self._thread.join(timeout=2)
         self._sender.join(timeout=2)
         try:  # both threads are done: the channel is this thread's now
@@ -176,7 +163,7 @@ class EngineClient:
         self._acks[request_id] = ack_future
         self._streams[request_id] = stream  # registered before the submit: no output is lost
         try:
-            self._post(p.Submit(request_id, self.frontend_id, prompt_token_ids, params, session_id, priority),
+            self.post(p.Submit(request_id, self.frontend_id, prompt_token_ids, params, session_id, priority),
                        on_fail=lambda exc: _fail_future(ack_future, exc))
             ack: p.Ack = await asyncio.wait_for(ack_future, self.config.ack_timeout_s)
         except (asyncio.TimeoutError, zmq.ZMQError, shm.RingFull, shm.PeerGone) as exc:
@@ -209,77 +196,12 @@ class EngineClient:
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters[nonce] = fut
         try:
-            self._post(p.StatsRequest(self.frontend_id, nonce), on_fail=lambda exc: _fail_future(fut, exc))
+            self.post(p.StatsRequest(self.frontend_id, nonce), on_fail=lambda exc: _fail_future(fut, exc))
             return await asyncio.wait_for(fut, timeout)
         except (asyncio.TimeoutError, zmq.ZMQError, shm.RingFull, shm.PeerGone):
             raise EngineUnavailable("the engine did not answer the stats request") from None
         finally:
             self._stats_waiters.pop(nonce, None)
-
-    def _post(self, msg, timeout_s: float = 1.0, on_fail=None) -> None:
-        """Queue ``msg`` for the sender thread (never blocks): sent within ``timeout_s``, or
-        ``on_fail(exc)`` is called on the event loop."""
-        self._outbox.put(_Outgoing(msg, time.monotonic() + timeout_s, on_fail))
-
-    # ------------------------------------------------------------------ sender thread
-
-    def _send_loop(self) -> None:
-        aborts: list[str] = []  # undelivered aborted request ids, oldest first
-        connection = self._connection()
-        while True:
-            try:
-                item = self._outbox.get(timeout=0.005 if aborts else 0.5)
-            except queue.Empty:
-                item = None
-            if item is _STOP:
-                return
-            if self._connection() != connection:  # those requests ended with the connection
-                aborts.clear()
-                connection = self._connection()
-            if isinstance(item, p.Abort):
-                aborts.extend(item.request_ids)
-                del aborts[:-MAX_PENDING_ABORTS]
-            elif item is not None:
-                self._deliver(item)
-            while aborts and not self._stop.is_set():  # retried each pass until the engine has them
-                batch = aborts[:p.MAX_LIST]
-                if not self._try_send(p.Abort(self.frontend_id, batch)):
-                    break
-                del aborts[:len(batch)]
-            self.aborts_pending = len(aborts)
-
-    def _connection(self) -> int:
-        return getattr(self.channel, "connections", 0)
-
-    def _deliver(self, item: _Outgoing) -> None:
-        """Send ``item``, retrying while the ring (or ZeroMQ queue) is full, until its deadline."""
-        pause = 0.0005
-        while True:
-            try:
-                if self._try_send(item.msg, raise_errors=True):
-                    return
-                if time.monotonic() >= item.deadline or self._stop.is_set():
-                    raise shm.RingFull("the engine is not taking messages")
-            except Exception as exc:  # noqa: BLE001 - the caller hears of it, the thread goes on
-                if item.on_fail is not None:
-                    self._call(item.on_fail, exc)
-                return
-            time.sleep(pause)
-            pause = min(2 * pause, 0.01)
-
-    def _try_send(self, msg, raise_errors: bool = False) -> bool:
-        """One attempt, without waiting: ``True`` if sent, ``False`` if there is no room now.
-        With ``raise_errors`` an engine that is not connected raises; else it is "no room"."""
-        with self._channel_lock:
-            try:
-                self.channel.send(msg, 0)
-                return True
-            except (shm.RingFull, zmq.Again):
-                return False
-            except (shm.PeerGone, zmq.ZMQError):
-                if raise_errors:
-                    raise
-                return False
 
     # ------------------------------------------------------------------ receiver thread
 
@@ -324,10 +246,10 @@ class EngineClient:
                 time.sleep(0.02)
                 return
         if not self._up.is_set() and now >= state["next_hello"]:
-            self._post(p.Hello(self.frontend_id), 0.1)
+            self.post(p.Hello(self.frontend_id), 0.1)
             state["next_hello"] = now + 0.1
         elif self._up.is_set() and now >= state["next_beat"]:
-            self._post(p.Heartbeat(self.frontend_id), 0.25)
+            self.post(p.Heartbeat(self.frontend_id), 0.25)
             state["next_beat"] = now + 0.25
         if self._up.is_set() and now - self._last_heartbeat > self.config.engine_timeout_s:
             self._engine_down("no heartbeat from the engine")

@@ -120,7 +120,7 @@ def test_an_abort_is_retried_past_a_full_ring_and_no_send_stalls_the_event_loop(
         engine.reading = False  # seen within its 20 ms poll: 300 heartbeats are twice the ring
         lag = peers.LoopLag()
         for _ in range(300):  # fill the 4 KiB ring (each tried once, then given up)
-            client._post(p.Heartbeat(client.frontend_id), 0.0)
+            client.post(p.Heartbeat(client.frontend_id), 0.0)
         await peers.until(lambda: client.channel.outbound.free() < 64, 5, "ring full")
         client.abort(["in-flight"])  # the client left: the engine must hear of it
         with pytest.raises(EngineUnavailable):  # a send that cannot go fails its caller, in time

@@ -237,9 +237,9 @@ def f9_frontend_side(run: Path, engine_pid: int) -> dict:
             try:
                 big = p.Submit("probe-big", "probe-fe", [40_000] * 100_000, p.SamplingParams(max_tokens=1), None, 0)
                 for _ in range(5):  # three fill 900 KB of the 1 MiB ring, heartbeats the rest
-                    client._post(big, 0.0)
+                    client.post(big, 0.0)
                 for _ in range(8000):
-                    client._post(p.Heartbeat("probe-fe"), 0.0)
+                    client.post(p.Heartbeat("probe-fe"), 0.0)
                 with contextlib.suppress(TimeoutError):  # the figures below say if it did not
                     await peers.until(lambda: client._outbox.empty() and client.channel.outbound.free() < 64, 0.3)
                 out["ring_bytes_free_before_the_abort"] = client.channel.outbound.free()
