@@ -204,7 +204,8 @@ class EngineServer:
         if why_not:
             log.warning("shared-memory transport unavailable (%s): frontends use ZeroMQ", why_not)
             return None
-        return ShmFrontends(config.run_dir, int(self.engine_id, 16), self.outbound, config.shm_ring_bytes)
+        return ShmFrontends(config.run_dir, int(self.engine_id, 16), self.outbound, config.shm_ring_bytes,
+                            config.max_shm_peers)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -285,7 +286,7 @@ class EngineServer:
                         if frame is None:
                             break
                         self._on_frame(frame)
-                if self.shm is not None and events:
+                if self.shm is not None:  # also with no events: handshake deadlines, peers that failed
                     self.shm.handle(events, time.monotonic() + self.IO_SLICE_S, self._on_frame, self._frontend_gone)
         except Exception as exc:  # the engine cannot serve without its I/O thread
             log.exception("I/O thread failed")
@@ -363,6 +364,9 @@ class EngineServer:
             return
         if carrier_frontend is not None and msg.frontend_id != carrier_frontend:
             self._drop(f"frontend {carrier_frontend} sent a message for {msg.frontend_id!r}")
+            return
+        if carrier_frontend is None and self.shm is not None and self.shm.owns(msg.frontend_id):
+            self._drop(f"a ZeroMQ message for {msg.frontend_id!r}, a frontend connected over shared memory")
             return
         try:
             self._on_message(msg)
@@ -506,21 +510,26 @@ class EngineServer:
                 self.scheduler.abort_frontend(item.frontend_id)
             elif isinstance(item, p.StatsRequest):
                 out.send_multipart([topic_for(item.frontend_id),
-                                    codec.encode(p.Stats(item.nonce, self._stats_data()))])
+                                    codec.encode(p.Stats(item.nonce, self._stats_data(per_frontend=True)))])
 
-    def _stats_data(self, scheduler_stats: dict | None = None) -> dict:
+    def _stats_data(self, scheduler_stats: dict | None = None, per_frontend: bool = False) -> dict:
         """``/scheduler/stats``: the scheduler's counters, the engine's, and the last
-        published window (rates and latency percentiles, see :mod:`stats_window`)."""
+        published window (rates and latency percentiles, see :mod:`stats_window`). The map
+        of every frontend (``per_frontend``) only in an answer to a request: in the broadcast,
+        which every frontend gets, it would grow with the square of the frontends."""
         sched = scheduler_stats or self.scheduler.stats()
         rejected = dict(self.rejected)  # before the ack (gate 1, invalid, never fits, draining)
         for code, n in sched.get("rejected_by_code", {}).items():  # at admission (hard-reject)
             rejected[code] = rejected.get(code, 0) + n
-        carriers = {fid: {"carrier": "zmq"} for fid in list(self._frontends)}
+        frontends = {"num_frontends": len(self._frontends)}
         if self.shm is not None:
-            carriers.update(self.shm.stats())
+            frontends["shm"] = self.shm.summary()
+        if per_frontend:
+            carriers = {fid: {"carrier": "zmq"} for fid in list(self._frontends)}
+            carriers.update(self.shm.stats() if self.shm is not None else {})
+            frontends["frontends"] = carriers
         return dict(sched, num_waiting=self.num_waiting, num_rejected=sum(rejected.values()),
-                    rejected_by_code=rejected, bad_frames=self.bad_frames, num_frontends=len(self._frontends),
-                    frontends=carriers,
+                    rejected_by_code=rejected, bad_frames=self.bad_frames, **frontends,
                     engine_id=self.engine_id, runtime=msgspec.structs.asdict(self.runtime),
                     window=self.stats_window.latest)
 

@@ -51,6 +51,7 @@ class EngineConfig:
     run_dir: str = _opt("", "directory for ipc:// socket files; empty → a fresh directory under /tmp")
     transport: str = _opt("auto", "auto | shm (shared-memory rings for frontends that reach the engine through its run directory, ZeroMQ for the rest) | zmq (ZeroMQ only)")
     shm_ring_bytes: int = _opt(4 << 20, "bytes of each shared-memory frontend's engine → frontend ring, a power of two (the other direction gets a quarter)")
+    max_shm_peers: int = _opt(64, "shared-memory frontends one engine serves at once (each costs its rings: 1.25 × shm_ring_bytes); more are refused with the reason, which the frontend logs")
     input_addr: str = _opt("", "engine PULL address (submit/abort); empty → ipc://<run_dir>/input.sock")
     output_addr: str = _opt("", "engine PUB address (acks/tokens); empty → ipc://<run_dir>/output.sock")
     max_queue_size: int = _opt(256, "gate 1: requests allowed to wait before HTTP 429 (card: MAX_QUEUE_SIZE)")
@@ -149,7 +150,7 @@ class EngineConfig:
             out.append(f"unknown device {self.device!r} ({', '.join(DEVICES)}, or cuda:N)")
         if self.dtype not in DTYPE_NAMES:
             out.append(f"unknown dtype {self.dtype!r} ({', '.join(DTYPE_NAMES)})")
-        for name in ("max_queue_size", "max_batch_size", "kv_block_size", "max_model_len"):
+        for name in ("max_queue_size", "max_batch_size", "kv_block_size", "max_model_len", "max_shm_peers"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be at least 1")
         for name in ("prefill_chunk_size", "max_num_batched_tokens", "kv_budget_tokens", "kv_num_blocks",
