@@ -23,10 +23,9 @@ Lifecycle of a block::
         +------------- hash dropped <--------------  free + hashed (refcount 0, still
                                                       findable by match_prefix)
 
-Prefix caching (Ref: vLLM v1 "automatic prefix caching" design): a full block's hash is
-``H(parent block's hash, block's token ids)``, so one hash names the whole prefix up to and
-including that block, and "how much of this prompt is cached" is a walk down the chain
-until the first miss.
+Prefix caching (Ref: vLLM v1 "automatic prefix caching" design): a full block's hash
+(:mod:`engine_proc.prefix_hash`) names the whole prefix up to and including that block, and
+"how much of this prompt is cached" is a walk down the chain until the first miss.
 
 Gate 3 (scheduler card, Backpressure) with this pool::
 
@@ -42,35 +41,11 @@ out of the free queue, so it costs a free block just like a fresh one does.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-BlockHash = bytes
-"""A 32-byte SHA-256 digest naming a full block *and* every token before it."""
-
-
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Hash of one full block: ``sha256(parent tag + parent hash + tokens as <int64)``.
-
-    ``parent_hash`` is None for a row's first block. SHA-256 rather than Python's
-    ``hash()``: a collision would silently hand a request someone else's KV (wrong output,
-    no error), and 64-bit ``hash()`` collisions are cheap to construct for adversarial
-    prompts; the digest is also stable across processes and runs (no PYTHONHASHSEED, no
-    ``hash(None)`` identity), so a frontend or a prefill worker could compute the same
-    hashes. Cost is about a microsecond per block.
-    """
-    h = hashlib.sha256()
-    if parent_hash is None:
-        h.update(b"\x00")
-    else:
-        h.update(b"\x01")
-        h.update(parent_hash)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return h.digest()
-
+from engine_proc.prefix_hash import BlockHash, hash_block_tokens, match_chain
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for non-negative ints."""
@@ -408,21 +383,9 @@ class BlockPool:
         return max(0, (len(token_ids) - 1) // self.block_size)
 
     def _match(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[BlockHash]]:
-        ids: list[int] = []
-        hashes: list[BlockHash] = []
         if not self.enable_prefix_caching:
-            return ids, hashes
-        bs = self.block_size
-        parent: BlockHash | None = None
-        for i in range(max_blocks):
-            h = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
-            b = self._cached.get(h)
-            if b is None:
-                break
-            ids.append(b)
-            hashes.append(h)
-            parent = h
-        return ids, hashes
+            return [], []
+        return match_chain(self._cached, token_ids, self.block_size, max_blocks)
 
     def _take(self, b: int) -> None:
         """Share cached block ``b``: refcount + 1, out of the free queue if it was free."""

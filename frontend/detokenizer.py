@@ -7,7 +7,9 @@ path through this module::
                   holds the bytes of an                     holds text that could still
                   unfinished UTF-8 character                become a stop string
 
-:class:`TextStream` wires the two together and is what the HTTP layer keeps per choice.
+:class:`~frontend.text_stream.TextStream` wires the two together (with
+:class:`~frontend.stop_strings.StopStringMatcher`) and is what the HTTP layer keeps per
+choice. This module is the detokenizer.
 
 Guarantees, for every piece: text already returned never changes (deltas only append),
 and pieces of text are held back only while the next tokens could still change them.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 _REPLACEMENT = "\ufffd"
 
@@ -303,198 +305,3 @@ class _WindowDecoder:
         self._read = len(self._ids)
         self._prefix_text = self._decode(self._ids)
         return delta
-
-
-# --------------------------------------------------------------------------------------
-# Stop strings
-# --------------------------------------------------------------------------------------
-
-
-class StopResult(NamedTuple):
-    """Text that is safe to send now, and whether the stream has hit a stop string.
-
-    Once ``stopped`` is true the text already includes everything that will ever be
-    sent (up to the stop string, and the stop string itself if requested). A named
-    tuple, so ``text, stopped = stream.push(ids)`` works.
-    """
-
-    text: str
-    stopped: bool
-
-
-class StopStringMatcher:
-    """Cuts a text stream at the first stop string.
-
-    Stop strings are matched on text, inside one delta or across any number of them.
-    Text that could still be the start of a stop string is held back until the next
-    deltas rule that out; everything else goes out at once. Which match wins is a
-    function of the full text only, never of how it was split into deltas: the match
-    that starts earliest, and among those that start at the same place the shortest.
-    So, for a single stop string ``s``, the text sent is ``text[:text.find(s)]``, or
-    all of ``text`` if ``s`` never occurs.
-
-    On a match: the text before it (plus the stop string when
-    ``include_stop_str_in_output``) goes out with ``stopped=True``, nothing after it
-    ever does, and later pushes return ``StopResult("", True)``.
-
-    Cost per push: O(k·(d + L²)) for k stop strings of length at most L and a delta of
-    d characters; at most L - 1 characters are held between pushes.
-    """
-
-    def __init__(
-        self, stop: Sequence[str] | None, include_stop_str_in_output: bool = False
-    ) -> None:
-        stops = list(dict.fromkeys(stop or ()))
-        if "" in stops:
-            raise ValueError("stop strings must not be empty")
-        self._stops = stops
-        self._include = include_stop_str_in_output
-        self._max_len = max(map(len, stops), default=0)
-        self._held = ""
-        self._flushed = False
-        self.matched: str | None = None  # the stop string that ended the stream
-
-    @property
-    def stopped(self) -> bool:
-        return self.matched is not None
-
-    def push(self, delta: str) -> StopResult:
-        """Add a text delta; return what is safe to send now."""
-        if self._flushed:
-            raise RuntimeError("push() after flush(): the stream has ended")
-        if self.stopped:
-            return StopResult("", True)
-        held = self._held + delta
-        match = self._first_match(held)
-        end = match[0] if match else len(held)
-        pending = self._first_pending(held, end)
-        if pending is not None:  # a stop string may still start at `pending`
-            self._held = held[pending:]
-            return StopResult(held[:pending], False)
-        if match is not None:
-            return self._stop(held, *match)
-        self._held = ""
-        return StopResult(held, False)
-
-    def flush(self) -> str:
-        """End the stream; return the held text, cut at a stop string if one matches.
-
-        A match found here (a shorter stop string that waited on a longer one that
-        started earlier but never completed) sets :attr:`stopped` as a push would.
-        """
-        if self._flushed or self.stopped:
-            self._flushed = True
-            return ""
-        self._flushed = True
-        held, self._held = self._held, ""
-        match = self._first_match(held)
-        return held if match is None else self._stop(held, *match).text
-
-    def _stop(self, held: str, pos: int, stop: str) -> StopResult:
-        self.matched = stop
-        self._held = ""
-        return StopResult(held[: pos + len(stop)] if self._include else held[:pos], True)
-
-    def _first_match(self, text: str) -> tuple[int, str] | None:
-        """(start, stop string) of the earliest, then shortest, complete match."""
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            pos = text.find(stop)
-            if pos >= 0 and (best is None or (pos, len(stop)) < (best[0], len(best[1]))):
-                best = (pos, stop)
-        return best
-
-    def _first_pending(self, text: str, end: int) -> int | None:
-        """Earliest start before ``end`` of a stop string that runs past the end of
-        ``text`` and agrees with it so far, i.e. one that more text could complete."""
-        for start in range(max(0, len(text) - self._max_len + 1), end):
-            tail = text[start:]
-            if any(len(s) > len(tail) and s.startswith(tail) for s in self._stops):
-                return start
-        return None
-
-
-# --------------------------------------------------------------------------------------
-# Both, per choice
-# --------------------------------------------------------------------------------------
-
-
-class TextStream:
-    """One choice's output: token ids in, text deltas cut at stop strings out.
-
-    ``push(ids)`` returns a :class:`StopResult` ``(text, stopped)``; ``flush()`` returns
-    the last text when the engine finishes the request. After a stop string matched,
-    pushes return ``StopResult("", True)`` and are otherwise ignored (ids still in
-    flight before the engine handles the abort); ``push`` after ``flush`` raises
-    ``RuntimeError``. ``text`` is everything sent so far. Guarantees and costs are
-    those of :class:`IncrementalDetokenizer` and :class:`StopStringMatcher`.
-
-    ``min_tokens`` (vLLM's rule): stop strings are not looked for until that many ids
-    have been pushed; text that arrived before is sent as it is, whatever it contains.
-    """
-
-    def __init__(
-        self,
-        tokenizer,
-        stop: Sequence[str] | None = None,
-        *,
-        prompt_token_ids: list[int] | None = None,
-        skip_special_tokens: bool = True,
-        include_stop_str_in_output: bool = False,
-        min_tokens: int = 0,
-    ) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
-        self._matcher = StopStringMatcher(stop, include_stop_str_in_output)
-        self._min_tokens = min_tokens
-        self._parts: list[str] = []
-        self._flushed = False
-
-    @property
-    def stopped(self) -> bool:
-        return self._matcher.stopped
-
-    @property
-    def matched_stop(self) -> str | None:
-        """The stop string that ended the stream, or ``None``."""
-        return self._matcher.matched
-
-    @property
-    def text(self) -> str:
-        """All text sent so far (the concatenation of every returned delta)."""
-        if len(self._parts) > 1:
-            self._parts = ["".join(self._parts)]
-        return self._parts[0] if self._parts else ""
-
-    def push(self, token_ids: Sequence[int]) -> StopResult:
-        """Append output ids; return the text safe to send and whether it stopped."""
-        if self.stopped:
-            return StopResult("", True)
-        text = self._detokenizer.push(token_ids)
-        result = self._matcher.push(text) if self._matching else StopResult(text, False)
-        self._record(result.text)
-        return result
-
-    @property
-    def _matching(self) -> bool:
-        return self._detokenizer.num_tokens >= self._min_tokens
-
-    def flush(self) -> str:
-        """End the stream (EOS, length, abort); return the rest of the text.
-
-        A stop string can still match here (see :meth:`StopStringMatcher.flush`):
-        check :attr:`stopped` afterwards. Calling it again, or after a stop, returns
-        ``""``.
-        """
-        if self.stopped or self._flushed:
-            return ""
-        self._flushed = True
-        if not self._matching:
-            text = self._detokenizer.flush()
-        else:
-            text = self._matcher.push(self._detokenizer.flush()).text + self._matcher.flush()
-        self._record(text)
-        return text
-
-    def _record(self, text: str) -> None:
-        if text:
-            self._parts.append(text)

@@ -1,15 +1,27 @@
 """The frontend's connection to the engine, bridged into asyncio.
 
-A receiver thread owns the SUB side: it performs the ready handshake (``Hello`` until
-``Welcome`` arrives on our topic, against ZeroMQ's slow-joiner problem), dispatches
-acks and token outputs to per-request asyncio queues, watches the engine's
-heartbeats, and sends ours. ``submit`` returns only after the engine's ack, so the
-HTTP layer can answer 429 before any SSE byte.
+Two threads own the channel; the event loop never touches it:
+
+* the **receiver** owns the receiving side: it (re)connects (shared memory), performs the
+  ready handshake (``Hello`` until ``Welcome`` arrives on our topic, against ZeroMQ's
+  slow-joiner problem), dispatches acks and token outputs to per-request asyncio queues,
+  and watches the engine's heartbeats;
+* the **sender** owns the sending side: every message (submits, aborts, stats requests,
+  our hellos and heartbeats) goes to it through a queue, so no send — a full ring, an
+  engine that is slow to take frames, a reconnect in progress — ever blocks the event
+  loop. A message that cannot be sent by its deadline fails its caller; an abort has no
+  deadline: it is retried until it is delivered, or until the connection it concerned
+  is gone (then the engine aborted those requests itself).
+
+``submit`` returns only after the engine's ack, so the HTTP layer can answer 429 before
+any SSE byte.
 
 Failure handling: a sequence gap on our topic, or no engine heartbeat for
 ``engine_timeout_s``, fails every in-flight request at once with an error (never a
 silent loss, never a hang); when heartbeats return from a (restarted) engine, the
-handshake runs again.
+handshake runs again. A channel that fails in the receiver (the engine's end closed,
+or broke the protocol, or anything unexpected) is dropped and connected again; the
+receiver thread itself never ends before :meth:`EngineClient.close`.
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -24,10 +37,12 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from frontend.engine_sender import STOP, SenderThread
 from shared import protocol as p
 from shared.config import FrontendConfig
 from shared.protocol import BROADCAST_TOPIC
 from shared import shm
+from shared import shm_channel
 from shared.transport import Client, ClientChannel, SequenceGap, topic_for
 
 log = logging.getLogger("tickserve.frontend")
@@ -61,7 +76,7 @@ class RequestStream:
             yield out
 
 
-class EngineClient:
+class EngineClient(SenderThread):
     """Thread-safe facade used from the event loop."""
 
     def __init__(self, config: FrontendConfig, ctx: zmq.Context | None = None):
@@ -70,7 +85,9 @@ class EngineClient:
         self.topic = topic_for(self.frontend_id)
         self.ctx = ctx or zmq.Context.instance()
         self.channel: Client = open_channel(config, self.frontend_id, self.topic, self.ctx)
-        self._send_lock = threading.Lock()
+        self._channel_lock = threading.Lock()  # one send attempt, or a connect / disconnect, at a time
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # event loop and receiver → sender
+        self.aborts_pending = 0  # request ids the sender still has to deliver (the sender's count)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._acks: dict[str, asyncio.Future] = {}
         self._streams: dict[str, RequestStream] = {}
@@ -89,12 +106,14 @@ class EngineClient:
         self._up = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-client", daemon=True)
+        self._sender = threading.Thread(target=self._send_loop, name="engine-client-send", daemon=True)
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._thread.start()
+        self._sender.start()
 
     @property
     def is_up(self) -> bool:
@@ -109,11 +128,17 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    def in_flight_ids(self) -> set[str]:
+        """Ids of the accepted requests whose outputs are still streaming."""
+        return set(self._streams)
+
     def close(self) -> None:
         self._stop.set()
+        self._outbox.put(STOP)
         self._thread.join(timeout=2)
-        try:
-            self._send(p.Goodbye(self.frontend_id), timeout_ms=100)
+        self._sender.join(timeout=2)
+        try:  # both threads are done: the channel is this thread's now
+            self.channel.send(p.Goodbye(self.frontend_id), timeout_ms=100)
         except Exception:
             pass
         self.channel.close()
@@ -138,7 +163,8 @@ class EngineClient:
         self._acks[request_id] = ack_future
         self._streams[request_id] = stream  # registered before the submit: no output is lost
         try:
-            self._send(p.Submit(request_id, self.frontend_id, prompt_token_ids, params, session_id, priority))
+            self.post(p.Submit(request_id, self.frontend_id, prompt_token_ids, params, session_id, priority),
+                       on_fail=lambda exc: _fail_future(ack_future, exc))
             ack: p.Ack = await asyncio.wait_for(ack_future, self.config.ack_timeout_s)
         except (asyncio.TimeoutError, zmq.ZMQError, shm.RingFull, shm.PeerGone) as exc:
             self._streams.pop(request_id, None)
@@ -156,13 +182,12 @@ class EngineClient:
         return stream
 
     def abort(self, request_ids: list[str]) -> None:
-        """Tell the engine to drop these requests (idempotent, never raises)."""
+        """Tell the engine to drop these requests (idempotent, never raises, never waits):
+        the sender retries until the engine has them."""
         for rid in request_ids:
             self._streams.pop(rid, None)
-        try:  # never wait: this runs on the event loop, and an absent engine has nothing to abort
-            self._send(p.Abort(self.frontend_id, list(request_ids)), timeout_ms=0)
-        except Exception:
-            log.debug("abort of %s not delivered", request_ids)
+        if request_ids:
+            self._outbox.put(p.Abort(self.frontend_id, list(request_ids)))
 
     async def stats(self, timeout: float = 2.0) -> dict:
         if not self.is_up:
@@ -171,55 +196,66 @@ class EngineClient:
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters[nonce] = fut
         try:
-            self._send(p.StatsRequest(self.frontend_id, nonce))
+            self.post(p.StatsRequest(self.frontend_id, nonce), on_fail=lambda exc: _fail_future(fut, exc))
             return await asyncio.wait_for(fut, timeout)
         except (asyncio.TimeoutError, zmq.ZMQError, shm.RingFull, shm.PeerGone):
             raise EngineUnavailable("the engine did not answer the stats request") from None
         finally:
             self._stats_waiters.pop(nonce, None)
 
-    def _send(self, msg, timeout_ms: int = 1000) -> None:
-        with self._send_lock:
-            self.channel.send(msg, timeout_ms)
-
     # ------------------------------------------------------------------ receiver thread
 
     def _run(self) -> None:
-        next_hello = 0.0
-        next_beat = 0.0
-        interval = 0.25
-        next_wait_log = time.monotonic() + 5.0
-        next_connect = 0.0
+        state = {"next_hello": 0.0, "next_beat": 0.0, "next_connect": 0.0,
+                 "next_wait_log": time.monotonic() + 5.0, "refusal": None}
         while not self._stop.is_set():
-            now = time.monotonic()
-            if not self._up.is_set() and now >= next_wait_log:
-                log.warning("waiting for an engine at %s", self._where())
-                next_wait_log = now + 10.0
-            elif self._up.is_set():
-                next_wait_log = now + 5.0
-            if not self.channel.connected:  # shared memory: (re)connect to the run directory's socket
-                if now >= next_connect:
-                    next_connect = now + 0.1
-                    with self._send_lock:
-                        connected = self.channel.connect()
-                    if connected:
-                        log.info("connected to the engine's shared-memory socket %s", self._where())
-                if not self.channel.connected:
-                    time.sleep(0.02)
-                    continue
             try:
-                if not self._up.is_set() and now >= next_hello:
-                    self._send(p.Hello(self.frontend_id), timeout_ms=0)
-                    next_hello = now + 0.1
-                elif self._up.is_set() and now >= next_beat:
-                    self._send(p.Heartbeat(self.frontend_id), timeout_ms=0)
-                    next_beat = now + interval
-            except (zmq.ZMQError, shm.RingFull, shm.PeerGone):
-                pass  # engine not reachable yet; keep trying
-            if self._up.is_set() and now - self._last_heartbeat > self.config.engine_timeout_s:
-                self._engine_down("no heartbeat from the engine")
+                self._receive_once(state)
+            except Exception as exc:  # noqa: BLE001 - never let the receiver die: drop the channel, go on
+                log.exception("the engine connection failed; connecting again")
+                self._drop_channel(f"the connection failed ({type(exc).__name__}: {exc})")
+                time.sleep(0.05)
+
+    def _drop_channel(self, why: str) -> None:
+        with self._channel_lock:
+            self.channel.disconnect()
+        if self._up.is_set():
+            self._engine_down(why)
+
+    def _receive_once(self, state: dict) -> None:
+        now = time.monotonic()
+        if not self._up.is_set() and now >= state["next_wait_log"]:
+            log.warning("waiting for an engine at %s", self._where())
+            state["next_wait_log"] = now + 10.0
+        elif self._up.is_set():
+            state["next_wait_log"] = now + 5.0
+        if not self.channel.connected:  # shared memory: (re)connect to the run directory's socket
+            if now >= state["next_connect"]:
+                state["next_connect"] = now + 0.1
+                with self._channel_lock:
+                    connected = self.channel.connect()
+                refusal = getattr(self.channel, "refusal", None)
+                if connected:
+                    log.info("connected to the engine's shared-memory socket %s", self._where())
+                elif refusal:
+                    state["next_connect"] = now + 1.0
+                    if refusal != state["refusal"]:
+                        log.error("the engine at %s refused this frontend: %s", self._where(), refusal)
+                state["refusal"] = refusal
+            if not self.channel.connected:
+                time.sleep(0.02)
+                return
+        if not self._up.is_set() and now >= state["next_hello"]:
+            self.post(p.Hello(self.frontend_id), 0.1)
+            state["next_hello"] = now + 0.1
+        elif self._up.is_set() and now >= state["next_beat"]:
+            self.post(p.Heartbeat(self.frontend_id), 0.25)
+            state["next_beat"] = now + 0.25
+        if self._up.is_set() and now - self._last_heartbeat > self.config.engine_timeout_s:
+            self._engine_down("no heartbeat from the engine")
+        try:
             if not self.channel.poll(50):
-                continue
+                return
             for _ in range(1024):
                 try:
                     received = self.channel.recv()
@@ -227,18 +263,18 @@ class EngineClient:
                     if gap.topic == self.topic:
                         self._call(self._fail_all, f"lost messages from the engine ({gap})")
                     continue
-                except shm.PeerGone as exc:  # the engine's end closed: it died or stopped, now
-                    with self._send_lock:
-                        self.channel.disconnect()
-                    if self._up.is_set():
-                        self._engine_down(f"the engine closed its connection ({exc})")
-                    break
-                except Exception as exc:  # malformed frame: count and drop
+                except shm.PeerGone:
+                    raise
+                except Exception as exc:  # a malformed frame: count and drop
                     log.warning("dropped a bad frame from the engine: %s", exc)
                     continue
                 if received is None:
                     break
                 self._on_message(received.msg)
+        except shm.PeerGone as exc:  # the engine's end closed (it died or stopped), or broke the protocol
+            if isinstance(exc, shm.PeerFault):
+                log.error("the engine's shared memory broke the protocol (%s): connecting again", exc)
+            self._drop_channel(f"the engine closed its connection ({exc})")
 
     def _where(self) -> str:
         if self.channel.carrier == "shm":
@@ -324,6 +360,11 @@ class EngineClient:
             self.abort(list(streams))
 
 
+def _fail_future(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
 def open_channel(config: FrontendConfig, frontend_id: str, topic: bytes, ctx: zmq.Context) -> Client:
     """The carrier to the engine: shared memory when the engine is reached through its run
     directory on this host (``transport`` auto or shm) and this host supports it, ZeroMQ
@@ -333,7 +374,7 @@ def open_channel(config: FrontendConfig, frontend_id: str, topic: bytes, ctx: zm
     if config.transport in ("auto", "shm") and on_host:
         why_not = shm.available()
         if why_not is None:
-            return shm.ShmChannel(config.run_dir, frontend_id, topic, BROADCAST_TOPIC)
+            return shm_channel.ShmChannel(config.run_dir, frontend_id, topic, BROADCAST_TOPIC)
         if config.transport == "shm":
             raise RuntimeError(f"transport shm: {why_not}")
         log.warning("shared memory unavailable (%s): using ZeroMQ", why_not)

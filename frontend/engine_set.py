@@ -202,7 +202,7 @@ class EngineSet:
     def _remember(self, request_id: str, member: Member, stream: RequestStream) -> None:
         self._owners[request_id] = member
         if len(self._owners) > 2 * self.num_in_flight + 1024:  # forget finished requests now and then
-            live = {rid for m in self.members for rid in m.client._streams}
+            live = set().union(*(m.client.in_flight_ids() for m in self.members))
             self._owners = {rid: m for rid, m in self._owners.items() if rid in live}
 
     def abort(self, request_ids: list[str]) -> None:

@@ -11,8 +11,8 @@ opens. :class:`GuardedH11Protocol` adds, per connection:
 * a **per-address cap** (``max_connections_per_client``): a connection beyond it gets
   ``429`` in OpenAI's error shape and is closed at once.
 
-The request *body* is bounded by time in the app (``Frontend._read_body``), which can
-answer it with a proper error.
+The request *body* is bounded by time in the app (:func:`frontend.request_body.read_body`),
+which can answer it with a proper error.
 """
 
 from __future__ import annotations

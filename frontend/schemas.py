@@ -14,7 +14,7 @@ Validation happens in three layers, each answering HTTP 400:
 2. combinations and features that are not supported: ``problem()`` of each request,
    which returns ``(param, message)``;
 3. what needs the tokenizer or the engine's limits (token ids inside the vocabulary,
-   prompt + max_tokens inside the context): the HTTP layer (``frontend/app.py``).
+   prompt + max_tokens inside the context): :mod:`frontend.params`.
 """
 
 from __future__ import annotations

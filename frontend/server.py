@@ -11,7 +11,7 @@ import time
 
 import uvicorn
 
-from shared import config as cfg
+from shared import config as cfg, startup_faults
 
 
 class DrainingServer(uvicorn.Server):
@@ -45,11 +45,13 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_frontend(config: cfg.FrontendConfig) -> int:
-    """Serve HTTP until SIGTERM/SIGINT (then drain). Returns the exit code."""
+    """Serve HTTP until SIGTERM/SIGINT (then drain). Returns the exit code: 0 after a
+    drain, 2 for settings or an engine it refuses, 78 (logged in one line) for model files
+    it cannot load (:mod:`shared.startup_faults`)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer
 
-    from engine_proc.model_loader import ModelNotFound, model_display_name, model_fingerprint, resolve_model
+    from shared.models import ModelNotFound, model_display_name, model_fingerprint, resolve_model
     from frontend.app import create_app
     from frontend.http_guard import ConnectionLimits, guarded_protocol
 
@@ -58,10 +60,15 @@ def run_frontend(config: cfg.FrontendConfig) -> int:
         return 2
     try:
         model_dir = resolve_model(config.model)
+        startup_faults.check_model_dir(model_dir, weights=False)  # the frontend needs only the tokenizer
+        with startup_faults.faults_of(model_dir, weights=False):
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except ModelNotFound as exc:
         logging.error("%s", exc)
         return 2
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except startup_faults.StartupFault as fault:  # a restart finds the same files: stop (78)
+        logging.error("frontend cannot start: %s", fault)
+        return startup_faults.EXIT_CONFIG
     name = config.served_model_name or model_display_name(config.model)
     app = create_app(config, tokenizer, name)
     limits = ConnectionLimits(config.header_timeout_s, config.max_connections_per_client)
@@ -79,7 +86,7 @@ def run_frontend(config: cfg.FrontendConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shared.cli import process_config
+    from shared.process_config import process_config
 
     return run_frontend(process_config(cfg.FrontendConfig, "tickserve frontend",
                                        "Run one HTTP frontend against a running engine.", argv))

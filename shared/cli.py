@@ -15,48 +15,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import sys
 import tempfile
 
 from shared import config as cfg
+from shared.process_config import LOG_FORMAT, OneLineParser
 
 log = logging.getLogger("tickserve.serve")
 
 SERVE_SHARED = ("model", "run_dir", "input_addr", "output_addr", "log_level", "transport")
-
-
-LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line (argparse's own error prints the whole
-    usage, dozens of lines for these commands) and exits 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: {message} (--help lists the flags)\n")
-
-
-def process_config(cls: type, prog: str, description: str, argv: list[str] | None):
-    """Config of one process from its flags and ``TICKSERVE_*`` environment; sets up logging.
-    A configuration that can never work ends the process here: one line on stderr, exit 2."""
-    parser = OneLineParser(prog=prog, description=description)
-    cfg.add_arguments(parser, cls)
-    args = parser.parse_args(argv)
-    try:
-        config = cfg.build(cls, args, os.environ)
-    except ValueError as exc:  # an environment variable that does not parse
-        _fail(prog, str(exc))
-    problems = config.problems()
-    if problems:
-        _fail(prog, "; ".join(problems))
-    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
-    return config
-
-
-def _fail(prog: str, message: str):
-    print(f"{prog}: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -72,8 +39,12 @@ def port_problem(host: str, port: int) -> str | None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Check everything, convert the model once, bind the HTTP port, then supervise the
-    engines and frontends (:mod:`shared.supervisor`)."""
-    from engine_proc.model_loader import ModelNotFound, resolve_model
+    engines and frontends (:mod:`shared.supervisor`). Exit status: 2 for a flag or
+    setting that cannot work, 78 for model files that cannot load (one line on stderr
+    either way, before anything starts), or what the supervisor returns."""
+    from shared.marked_dirs import make_marked_dir
+    from shared.models import ModelNotFound, resolve_model
+    from shared.startup_faults import StartupFault, check_model_dir, report
     from shared.supervisor import Supervisor, listen
 
     environ = dict(os.environ)
@@ -89,17 +60,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     by_address = bool(engine.input_addr or engine.output_addr)
     if dp > 1 and by_address:
         problems.append("--data-parallel-size engines listen in the run directory: give no --input-addr/--output-addr")
-    if not problems:
-        from engine_proc.engine import device_problems
-
-        problems += device_problems(engine)
     if problems:
         print("tickserve: " + "; ".join(problems), file=sys.stderr)
         return 2
     try:
         model_dir = str(resolve_model(engine.model))  # convert once, before any child starts
+        check_model_dir(model_dir)  # weights and tokenizer: a fault there would fail every restart
     except ModelNotFound as exc:
         print(f"tickserve: {exc}", file=sys.stderr)
+        return 2
+    except StartupFault as fault:
+        return report("tickserve", fault)
+    from engine_proc.engine import device_problems  # loads torch: after the checks that need none
+
+    problems = device_problems(engine)
+    if problems:
+        print("tickserve: " + "; ".join(problems), file=sys.stderr)
         return 2
     try:
         http_sock = listen(frontend_probe.host, frontend_probe.port)
@@ -117,9 +93,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         {} if dp == 1 else {"torch_threads": engine.torch_threads or max(1, cpus // dp),
                             "kv_memory_fraction": engine.kv_memory_fraction / dp})) for d in engine_dirs]
     name = args.served_model_name or _display(args.model or environ.get(cfg.env_name("model"), ""))
-    metrics_dir = os.path.join(run_dir, "metrics")
-    shutil.rmtree(metrics_dir, ignore_errors=True)
-    os.makedirs(metrics_dir, exist_ok=True)
+    os.makedirs(run_dir, exist_ok=True)
+    # a fresh, marked directory: never a name of the user's in --run-dir (shared/marked_dirs.py)
+    metrics_dir = make_marked_dir(run_dir, "metrics-", "prometheus multiprocess")
     frontends = [cfg.build(cfg.FrontendConfig, args, environ, model=model_dir, served_model_name=name,
                            http_fd=http_sock.fileno(),
                            **({"run_dir": run_dir} if dp == 1 else {"run_dir": "", "engine": ",".join(engine_dirs)}))
@@ -148,7 +124,7 @@ def _auto_engines(engine: cfg.EngineConfig, model_dir: str, by_address: bool) ->
 def cmd_cache(argv: list[str]) -> int:
     """tickserve cache [list|prune]: what the converted-model cache holds; prune removes
     the per-clone copies of the older path-keyed layout."""
-    from engine_proc import model_cache
+    from shared import model_cache
 
     parser = OneLineParser(prog="tickserve cache", description=cmd_cache.__doc__)
     parser.add_argument("action", nargs="?", choices=("list", "prune"), default="list")
@@ -162,13 +138,14 @@ def cmd_cache(argv: list[str]) -> int:
         return 0
     models = model_cache.list_models(root)
     for m in models:
-        print(f"{m.bytes / 1e6:8.0f} MB  {m.path}{'' if m.content_keyed else '  (old per-path copy: prune removes it)'}")
-    print(f"{len(models)} converted model(s) in {root}; remove the directory to clear it")
+        note = "" if m.content_keyed else "  (old per-path copy: prune removes it)" if m.removable else f"  ({m.note})"
+        print(f"{m.bytes / 1e6:8.0f} MB  {m.path}{note}")
+    print(f"{len(models)} entr{'y' if len(models) == 1 else 'ies'} in {root}; remove the directory to clear it")
     return 0
 
 
 def _display(model: str) -> str:
-    from engine_proc.model_loader import model_display_name
+    from shared.models import model_display_name
 
     return model_display_name(model)
 

@@ -51,6 +51,7 @@ class EngineConfig:
     run_dir: str = _opt("", "directory for ipc:// socket files; empty → a fresh directory under /tmp")
     transport: str = _opt("auto", "auto | shm (shared-memory rings for frontends that reach the engine through its run directory, ZeroMQ for the rest) | zmq (ZeroMQ only)")
     shm_ring_bytes: int = _opt(4 << 20, "bytes of each shared-memory frontend's engine → frontend ring, a power of two (the other direction gets a quarter)")
+    max_shm_peers: int = _opt(64, "shared-memory frontends one engine serves at once (each costs its rings: 1.25 × shm_ring_bytes); more are refused with the reason, which the frontend logs")
     input_addr: str = _opt("", "engine PULL address (submit/abort); empty → ipc://<run_dir>/input.sock")
     output_addr: str = _opt("", "engine PUB address (acks/tokens); empty → ipc://<run_dir>/output.sock")
     max_queue_size: int = _opt(256, "gate 1: requests allowed to wait before HTTP 429 (card: MAX_QUEUE_SIZE)")
@@ -149,7 +150,7 @@ class EngineConfig:
             out.append(f"unknown device {self.device!r} ({', '.join(DEVICES)}, or cuda:N)")
         if self.dtype not in DTYPE_NAMES:
             out.append(f"unknown dtype {self.dtype!r} ({', '.join(DTYPE_NAMES)})")
-        for name in ("max_queue_size", "max_batch_size", "kv_block_size", "max_model_len"):
+        for name in ("max_queue_size", "max_batch_size", "kv_block_size", "max_model_len", "max_shm_peers"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be at least 1")
         for name in ("prefill_chunk_size", "max_num_batched_tokens", "kv_budget_tokens", "kv_num_blocks",
@@ -189,6 +190,7 @@ class FrontendConfig:
     max_body_bytes: int = _opt(4 * 1024 * 1024, "request body size limit, bytes")
     header_timeout_s: float = _opt(10.0, "a connection that has not sent a complete request head this long after its first byte is closed, seconds")
     body_timeout_s: float = _opt(30.0, "a request body not received within this long is answered 408, seconds")
+    max_request_work: int = _opt(1 << 18, "one request's work: prompts × n × (prompt + max_tokens) tokens × (1 + logprobs + prompt_logprobs), in token entries (about 50 bytes of response each); more is answered 400")
     max_connections_per_client: int = _opt(512, "open connections allowed from one client address; more are answered 429 and closed")
     engine_timeout_s: float = _opt(1.0, "no engine heartbeat for this long → engine is down, seconds")
     ack_timeout_s: float = _opt(10.0, "wait for the engine's submit ack at most this long, seconds")
@@ -210,7 +212,7 @@ class FrontendConfig:
             out.append(f"port {self.port} is not in 1..65535")
         if not self.host:
             out.append("host must not be empty")
-        for name in ("max_body_bytes", "max_connections_per_client"):
+        for name in ("max_body_bytes", "max_connections_per_client", "max_request_work"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be at least 1")
         for name in ("header_timeout_s", "body_timeout_s", "engine_timeout_s", "ack_timeout_s"):

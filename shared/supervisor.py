@@ -10,17 +10,21 @@ meanwhile are served by the others (or by its successor). Each child:
   stable minute);
 * runs in its own session (a terminal's Ctrl-C reaches only the supervisor, which stops
   the children once, in order) and gets SIGTERM from the kernel if the supervisor dies;
-* is not restarted when it exits with the configuration status (an engine's 78, a
-  frontend's 2: a restart cannot fix what it reported): the supervisor stops.
+* is not restarted when it exits with a configuration status (78 for files or settings
+  that cannot work, 2 for refused flags or a refused engine: a restart cannot fix what
+  it reported, :mod:`shared.startup_faults`): the supervisor stops and exits with that
+  status. Any other exit (a crash, memory that ran out) is restarted.
 
 Data parallel (M > 1): engine ``i`` runs in ``<run_dir>/engine-i`` on its share of the
 CPUs (pinned there, ``torch_threads`` split), with ``1/M`` of the KV memory cap; every
 frontend connects to all of them and routes (``frontend/router.py``). Frontends share
 their Prometheus counters through prometheus-client's multiprocess mode (a directory
-in the run directory), so a scrape of any one reports the totals of all.
+in the run directory, made fresh and marked: :mod:`shared.marked_dirs`), so a scrape of
+any one reports the totals of all.
 
-On SIGTERM/SIGINT: frontends first (they drain), then engines; the run directory goes
-if the supervisor made it.
+On SIGTERM/SIGINT: frontends first (they drain), then engines; the metrics directory
+goes (it is marked as tickserve's), and the run directory if the supervisor made it.
+Nothing else in a ``--run-dir`` of the user's is touched.
 """
 
 from __future__ import annotations
@@ -37,11 +41,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared import config as cfg
+from shared.marked_dirs import remove_marked
+from shared.startup_faults import EXIT_CONFIG
 
 log = logging.getLogger("tickserve.serve")
 
-EXIT_CONFIG = 78  # engine_proc.engine.EXIT_CONFIG (not imported: that would load torch here)
-FRONTEND_REFUSED = 2  # a frontend that refuses its configuration or its engine's model
+REFUSED = 2  # a process that refuses its flags, or a frontend its engine's model
+FATAL_CODES = (EXIT_CONFIG, REFUSED)  # statuses a restart cannot change
 
 
 @dataclass
@@ -49,7 +55,6 @@ class Child:
     name: str  # "engine 0", "frontend 1"
     module: str  # "engine_proc" | "frontend"
     config: Any
-    fatal_code: int  # exit status that must not be restarted
     pass_fds: tuple[int, ...] = ()
     cpus: list[int] | None = None
     env: dict = field(default_factory=dict)
@@ -63,16 +68,16 @@ class Child:
 class Supervisor:
     def __init__(self, engines: list[cfg.EngineConfig], frontends: list[cfg.FrontendConfig],
                  http_sock: socket.socket | None, run_dir: str, own_run_dir: bool, metrics_dir: str | None = None):
-        self.run_dir, self.own_run_dir = run_dir, own_run_dir
+        self.run_dir, self.own_run_dir, self.metrics_dir = run_dir, own_run_dir, metrics_dir
         self.http_sock = http_sock
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         share = max(1, len(cpus) // len(engines)) if cpus else 0
-        self.engines = [Child(f"engine {i}", "engine_proc", c, EXIT_CONFIG,
+        self.engines = [Child(f"engine {i}", "engine_proc", c,
                               cpus=cpus[i * share:(i + 1) * share] if len(engines) > 1 and cpus else None)
                         for i, c in enumerate(engines)]
         env = {"PROMETHEUS_MULTIPROC_DIR": metrics_dir} if metrics_dir else {}
         fds = (http_sock.fileno(),) if http_sock is not None else ()
-        self.frontends = [Child(f"frontend {i}", "frontend", c, FRONTEND_REFUSED, pass_fds=fds, env=env)
+        self.frontends = [Child(f"frontend {i}", "frontend", c, pass_fds=fds, env=env)
                           for i, c in enumerate(frontends)]
         self.stopping = False
         self.exit_code = 0
@@ -117,9 +122,9 @@ class Supervisor:
 
     def _exited(self, child: Child, now: float) -> None:
         code = child.proc.returncode
-        if code == child.fatal_code:
+        if code in FATAL_CODES:
             log.error("%s cannot run with this configuration (exit %d); shutting down", child.name, code)
-            self.exit_code = 2
+            self.exit_code = code
             self.stopping = True
             return
         if now - child.started > 60:
@@ -150,6 +155,8 @@ class Supervisor:
                     child.proc.wait(5)
         if self.http_sock is not None:
             self.http_sock.close()
+        if self.metrics_dir:
+            remove_marked(self.metrics_dir)
         if self.own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 

@@ -220,7 +220,9 @@ class EngineOutbound:
 class RoutedOutbound:
     """The engine's outbound side over every carrier: frames for a frontend connected by
     shared memory go to its ring, the rest to the PUB socket; broadcast frames to both.
-    Each carrier keeps its own per-topic sequence numbers."""
+    Each carrier keeps its own per-topic sequence numbers. A shared-memory peer's
+    ``publish`` never blocks or raises: a full ring drops, and a fault is kept on the peer
+    for the engine to retire it (``engine_proc/shm_frontends.py``)."""
 
     def __init__(self, pub: EngineOutbound):
         self.pub = pub

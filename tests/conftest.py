@@ -30,7 +30,7 @@ TINY_LLAMA = dict(
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """Converted float32 SmolLM2-135M-Instruct directory (converted once, cached)."""
-    from engine_proc.model_loader import resolve_model
+    from shared.models import resolve_model
 
     return resolve_model("")
 

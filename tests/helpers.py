@@ -9,7 +9,7 @@ import itertools
 import msgspec
 import torch
 
-from engine_proc.engine import build_scheduler
+from engine_proc.factory import build_scheduler
 from engine_proc.request import Request
 from shared.config import EngineConfig
 from shared.protocol import SamplingParams

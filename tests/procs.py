@@ -219,3 +219,71 @@ def two_frontends(group: ProcessGroup, model_dir: Path, run: Path, **engine_opti
     wait_healthy(a)
     wait_healthy(b)
     return fa, a, b
+
+
+class Witness:
+    """While an attack runs: ``/health`` every 50 ms, and short streams back to back through
+    the frontend at ``base``. ``summary()`` gives the figures; ``check()`` asserts that the
+    engine never noticed: the same engine id before and after (no restart), only 200s, every
+    stream complete, every process in ``procs`` alive."""
+
+    def __init__(self, base: str, procs: list[Proc] | tuple = (), max_tokens: int = 24):
+        import threading
+
+        self.base, self.procs, self.max_tokens = base, list(procs), max_tokens
+        self.engine_id = http_json(f"{base}/health", timeout=10)[1]["engine_id"]
+        self.health: list[int] = []
+        self.streams: list[bool] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._watch, daemon=True),
+                         threading.Thread(target=self._stream, daemon=True)]
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc):
+        wait_for(lambda: self.streams, 60, what="an unrelated stream finished")
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+
+    def _watch(self):
+        while not self._stop.is_set():
+            try:
+                self.health.append(http_json(f"{self.base}/health", timeout=5)[0])
+            except OSError:
+                self.health.append(0)
+            time.sleep(0.05)
+
+    def _stream(self):
+        import httpx
+
+        body = {"prompt": "an unrelated stream", "max_tokens": self.max_tokens, "ignore_eos": True, "stream": True}
+        while not self._stop.is_set():
+            try:
+                with httpx.stream("POST", f"{self.base}/v1/completions", json=body, timeout=60) as resp:
+                    lines = [line for line in resp.iter_lines() if line]
+                self.streams.append(resp.status_code == 200 and lines[-1] == "data: [DONE]"
+                                    and not any('"error"' in line for line in lines))
+            except httpx.HTTPError:
+                self.streams.append(False)
+
+    def summary(self) -> dict:
+        codes: dict[int, int] = {}
+        for code in self.health:
+            codes[code] = codes.get(code, 0) + 1
+        try:
+            same = http_json(f"{self.base}/health", timeout=10)[1].get("engine_id") == self.engine_id
+        except OSError:
+            same = False
+        return {"engine_same": same and all(proc.alive() for proc in self.procs), "health_codes": codes,
+                "unrelated_streams_completed": f"{sum(self.streams)} of {len(self.streams)}"}
+
+    def check(self) -> None:
+        assert all(proc.alive() for proc in self.procs), "\n".join(pr.output()[-2000:] for pr in self.procs)
+        assert http_json(f"{self.base}/health", timeout=10)[1]["engine_id"] == self.engine_id  # no restart
+        assert self.health and set(self.health) == {200}, sorted(set(self.health))
+        assert self.streams and all(self.streams), self.streams

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine_proc.block_pool import BlockPool, NoFreeBlocks, PrefixMatch, hash_block_tokens
+from engine_proc.block_pool import BlockPool, NoFreeBlocks, PrefixMatch
+from engine_proc.prefix_hash import hash_block_tokens
 
 BS = 4
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
+from shared.marked_dirs import is_marked, make_marked_dir, remove_marked
 from tests.procs import REPO, ProcessGroup, _env, free_port, http_json, wait_healthy
 
 
@@ -13,18 +17,42 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_serve_takes_the_model_positionally(tmp_path, tiny_model_dir):
+def test_serve_takes_the_model_positionally_and_leaves_the_run_dir_s_files_alone(tmp_path, tiny_model_dir):
+    """Also: ``--run-dir DIR`` used to remove ``DIR/metrics`` (a user's dashboard went with
+    it); the metrics directory is now one tickserve made and marked, gone after the stop."""
     port = free_port()
+    run = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))  # ipc socket paths must stay short
+    dashboard = run / "metrics" / "grafana" / "dashboard.json"
+    dashboard.parent.mkdir(parents=True)
+    dashboard.write_text('{"title": "mine"}')
     group = ProcessGroup(tmp_path)
     try:
-        group.spawn(["-m", "shared.cli", "serve", str(tiny_model_dir), "--port", str(port),
-                     "--device", "cpu", "--torch-threads", "1", "--data-parallel-size", "1", "--log-level", "warning"], "serve")
+        serve = group.spawn(["-m", "shared.cli", "serve", str(tiny_model_dir), "--port", str(port), "--run-dir",
+                             str(run), "--device", "cpu", "--torch-threads", "1", "--data-parallel-size", "1",
+                             "--log-level", "warning"], "serve")
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base, timeout=120)
         status, body, _ = http_json(f"{base}/v1/models")
         assert status == 200 and body["data"][0]["id"] == tiny_model_dir.name
+        made = [d for d in run.iterdir() if d.name.startswith("metrics-")]
+        assert len(made) == 1 and is_marked(str(made[0]))
+        assert serve.stop(30) == 0
+        assert dashboard.read_text() == '{"title": "mine"}'
+        assert not made[0].exists()
     finally:
         group.close()
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def test_a_directory_without_the_marker_is_never_removed(tmp_path):
+    user = tmp_path / "metrics-mine"
+    (user / "keep").mkdir(parents=True)
+    assert not remove_marked(str(user)) and (user / "keep").exists()
+    made = Path(make_marked_dir(str(tmp_path), "metrics-", "test"))
+    link = tmp_path / "metrics-link"
+    link.symlink_to(made)
+    assert not remove_marked(str(link)) and made.exists()  # a link to a marked directory is not one
+    assert remove_marked(str(made)) and not made.exists()
 
 
 def test_a_missing_positional_model_is_a_one_line_error():

@@ -11,13 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from frontend.detokenizer import (
-    DecodeMode,
-    IncrementalDetokenizer,
-    StopResult,
-    StopStringMatcher,
-    TextStream,
-)
+from frontend.detokenizer import DecodeMode, IncrementalDetokenizer
+from frontend.stop_strings import StopResult, StopStringMatcher
+from frontend.text_stream import TextStream
 
 FFFD = "\ufffd"
 MULTIBYTE_TEXTS = [

@@ -17,7 +17,8 @@ from engine_proc.backends.llama_runner import Linear, rope_table
 from engine_proc.backends.prefill_attention import (KERNEL_PROBES, MATMUL_PROBES, SDPA_ONLY, PrefillAttentionPlan,
                                                     matmul_attention, measure, sdpa_attention)
 from engine_proc.kernels import CKernels, TorchKernels, select_kernels
-from engine_proc.kernels.build import KernelsUnavailable, compiler
+from engine_proc.kernels.build import KernelsUnavailable
+from shared.native_build import compiler
 from engine_proc.kv_cache import PagedKVCache, gather_blocks, write_slots
 from engine_proc.threads import ThreadPlan
 from tests.helpers import assert_matches_reference, make_request, make_scheduler, run_until_idle, tokens_of

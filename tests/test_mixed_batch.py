@@ -136,7 +136,7 @@ def test_budget_never_exceeded_and_spent_when_prompts_wait(tiny_llama, passes):
                                max_tokens=rng.randint(1, 12), ignore_eos=True)
             reqs.append(req)
             sched.add_request(req)
-        live = [r for r in reqs if r.request_id in sched._requests]
+        live = [r for r in reqs if sched.has_request(r.request_id)]
         if live and rng.random() < 0.05:
             sched.abort_request(rng.choice(live).request_id)
         del passes.tokens[:]

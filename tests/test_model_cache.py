@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_proc import model_cache
+from shared import model_cache
 from tests.procs import REPO, _env
 
 
@@ -127,6 +128,61 @@ def test_prune_removes_old_per_path_copies_only(tmp_path):
     assert not legacy.exists() and (kept / "config.json").exists()
 
 
+def test_prune_deletes_only_what_is_positively_tickserves_and_never_follows_links(tmp_path):
+    """Finding 3: prune removed any directory in models/ without the marker (a user's
+    my-finetune went) and reported space it had not freed; sizing walked linked trees."""
+    root = tmp_path / "cache"
+    models = root / "models"
+    mine = models / "my-finetune"
+    mine.mkdir(parents=True)
+    (mine / "config.json").write_text("{}")
+    (mine / "model.safetensors").write_bytes(b"u" * 5000)
+    extra = models / "Model.Q4_1-fedcba9876543210"  # the old name, with a file of the user's in it
+    extra.mkdir()
+    (extra / "config.json").write_text("{}")
+    (extra / "notes.txt").write_text("mine")
+    outside = tmp_path / "elsewhere"
+    (outside / "big").mkdir(parents=True)
+    (outside / "big" / "blob").write_bytes(b"x" * 200_000)
+    (models / "Linked-0123456789abcdef").symlink_to(outside, target_is_directory=True)
+    legacy = models / "Model.Q4_1-0123456789abcdef"
+    legacy.mkdir()
+    (legacy / "config.json").write_text("{}")
+    (legacy / "model.safetensors").write_bytes(b"w" * 3000)
+    (legacy / "tokenizer.json").symlink_to(outside / "big" / "blob")  # a link: not an old copy's shape
+    stale = models / ".convert-abc"  # an interrupted conversion of an older version: no marker
+    stale.mkdir()
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    listed = {m.path.name: m for m in model_cache.list_models(root)}
+    assert listed["Linked-0123456789abcdef"].bytes < 1000  # the link itself, not the 200 kB behind it
+    assert not any(m.removable for m in listed.values())
+    assert model_cache.prune(root) == []
+    for kept in (mine / "model.safetensors", extra / "notes.txt", outside / "big" / "blob", legacy, stale):
+        assert kept.exists()
+    (legacy / "tokenizer.json").unlink()
+    removed = model_cache.prune(root)
+    assert [(m.path, m.bytes) for m in removed] == [(legacy, 3002)]  # what was there, now freed
+    assert not legacy.exists() and (outside / "big" / "blob").exists() and mine.exists()
+
+
+def test_an_interrupted_conversion_is_marked_and_pruned_after_an_hour(tmp_path):
+    root = tmp_path / "cache"
+    gguf = _fake_gguf(tmp_path / "v", b"q" * 1000)
+
+    def killed(src: Path, out: Path) -> None:  # what a kill -9 mid-conversion leaves
+        (out / "model.safetensors").write_bytes(b"h" * 100)
+        shutil.copytree(out, out.parent / ".convert-killed")
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        model_cache.convert_cached(gguf, killed, root)
+    left = root / "models" / ".convert-killed"
+    assert (left / model_cache.CONVERT_MARKER).is_file()
+    assert model_cache.prune(root) == [] and left.exists()  # under an hour old: may still be running
+    os.utime(left, (time.time() - 7200, time.time() - 7200))
+    assert [m.path for m in model_cache.prune(root)] == [left] and not left.exists()
+
+
 def test_cache_command_lists_and_prunes(tmp_path):
     root = tmp_path / "cache"
     legacy = root / "models" / "Old-0123456789abcdef"
@@ -143,14 +199,14 @@ def test_cache_command_lists_and_prunes(tmp_path):
 
 
 def test_resolve_model_converts_a_model_once_across_venvs(tmp_path, monkeypatch):
-    from engine_proc import model_loader
+    from shared import models
 
     monkeypatch.setenv("TICKSERVE_CACHE_DIR", str(tmp_path / "cache"))
     convert = CountingConverter()
-    monkeypatch.setattr(model_loader, "_dequantize", convert)
-    payload = os.urandom(50_000)
+    monkeypatch.setattr(models, "_dequantize", convert)
+    payload = b"GGUF" + (3).to_bytes(4, "little") + os.urandom(50_000)  # resolve_model checks the magic
     a = _fake_gguf(tmp_path / "venv-a", payload)
     b = _fake_gguf(tmp_path / "venv-b", payload)
-    assert model_loader.resolve_model(str(a)) == model_loader.resolve_model(str(b))
+    assert models.resolve_model(str(a)) == models.resolve_model(str(b))
     assert convert.calls == [a]
-    assert model_loader.resolve_model(str(a)).parent == tmp_path / "cache" / "models"
+    assert models.resolve_model(str(a)).parent == tmp_path / "cache" / "models"

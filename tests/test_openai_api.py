@@ -31,6 +31,7 @@ from tests.procs import ProcessGroup, free_port, http_json, stats, wait_for, wai
 
 API_KEY = "sk-test-key"
 LOCKED_BODY_LIMIT = 4096
+LOCKED_WORK_LIMIT = 1000  # the locked frontend's --max-request-work
 PROMPT = "The quick brown fox"
 EOS = 2  # the tiny Llama's eos_token_id (SmolLM2's <|im_end|>)
 
@@ -49,7 +50,8 @@ def stack(tmp_path_factory, tiny_model_dir):
     group.engine(tiny_model_dir, run, max_batch_size=8)
     port, locked_port = free_port(), free_port()
     group.frontend(tiny_model_dir, run, port)
-    group.frontend(tiny_model_dir, run, locked_port, api_key=API_KEY, max_body_bytes=LOCKED_BODY_LIMIT)
+    group.frontend(tiny_model_dir, run, locked_port, api_key=API_KEY, max_body_bytes=LOCKED_BODY_LIMIT,
+                   max_request_work=LOCKED_WORK_LIMIT)
     base, locked = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{locked_port}"
     try:
         wait_healthy(base, 120)
@@ -577,6 +579,32 @@ def test_body_size_limit_is_413(stack):
     assert resp.status_code == 413 and set(resp.json()["error"]) == {"message", "type", "param", "code"}
     small = httpx.post(f"{stack.locked}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=auth)
     assert small.status_code == 200
+
+
+def test_a_request_s_whole_work_is_bounded(stack):
+    """Finding 4: 8 prompts × n 8 × 1,000 tokens with echo, logprobs 20 and prompt_logprobs 20
+    (a 16 KB body, each parameter within its own limit) returned 137 MB; now a 400 naming
+    the limit, before anything reaches the engine."""
+    body = {"prompt": ["a " * 1000] * 8, "n": 8, "max_tokens": 1, "echo": True, "logprobs": 20,
+            "prompt_logprobs": 20}
+    assert 15_000 < len(json.dumps(body)) < 17_000
+    resp = httpx.post(f"{stack.base}/v1/completions", json=body, timeout=30)
+    error = resp.json()["error"]
+    assert resp.status_code == 400 and error["code"] == "request_work_exceeded", resp.text
+    assert "262,144" in error["message"] and "--max-request-work" in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert at_baseline(stack.base)
+    # at the limit exactly (4 × (10 + 15) × (1 + 9) = 1,000): served; one token more: refused
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    edge = {"prompt": [5] * 10, "n": 4, "max_tokens": 15, "logprobs": 9, "ignore_eos": True}
+    ok = httpx.post(f"{stack.locked}/v1/completions", json=edge, headers=auth, timeout=60)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 4, ok.text
+    over = httpx.post(f"{stack.locked}/v1/completions", json={**edge, "max_tokens": 16}, headers=auth, timeout=30)
+    assert over.status_code == 400 and "1,040 token entries" in over.json()["error"]["message"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "n": 16, "max_tokens": 60, "logprobs": True,
+            "top_logprobs": 5}
+    refused = httpx.post(f"{stack.locked}/v1/chat/completions", json=chat, headers=auth, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "request_work_exceeded"
 
 
 # ---------------------------------------------------------------------- engine failure, in-process

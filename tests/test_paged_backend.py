@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from engine_proc.backends.paged import ATTN_IMPLEMENTATION, DecodeAttention, PagedBackend
+from engine_proc.backends.paged import PagedBackend
+from engine_proc.backends.paged_attention import ATTN_IMPLEMENTATION, DecodeAttention
 from engine_proc.request import RequestStatus
 from tests.helpers import (assert_matches_reference, make_request, make_scheduler, run_until_idle,
                            tokens_of)
@@ -205,7 +206,7 @@ def test_random_mix_of_finishes_aborts_and_shared_prefixes(tiny_llama):
             req = make_request(prompt, max_tokens=rng.randint(1, 10), ignore_eos=True)
             reqs.append(req)
             sched.add_request(req)
-        live = [r for r in reqs if r.request_id in sched._requests]
+        live = [r for r in reqs if sched.has_request(r.request_id)]
         if live and rng.random() < 0.1:
             sched.abort_request(rng.choice(live).request_id)
         sched.step()

@@ -119,7 +119,7 @@ def test_abort_from_every_queue_releases_everything(tiny_llama, where):
     sched.check_invariants()
     finish = [o for _, o in sched.drain_outputs() if o.request_id == victim.request_id]
     assert finish[-1].finish_reason is FinishReason.ABORT
-    assert victim.request_id not in sched._requests
+    assert not sched.has_request(victim.request_id)
     sched.abort_request(blocker.request_id)
     assert sched.active_kv_reserved == 0 and sched.block_pool.num_used_blocks == 0
     assert not sched.abort_request(victim.request_id)  # idempotent
@@ -157,7 +157,7 @@ def test_a_failing_prefill_fails_only_its_row(tiny_llama):
 
 
 def test_pool_sized_for_the_batch_and_capped_by_a_memory_fraction(tiny_llama):
-    from engine_proc.engine import available_memory_bytes, kv_bytes_per_block
+    from engine_proc.factory import available_memory_bytes, kv_bytes_per_block
 
     per_block = kv_bytes_per_block(tiny_llama, 16)
     assert per_block == 2 * 2 * 2 * 16 * 16 * 4  # K+V · layers · kv_heads · head_dim · tokens · fp32

@@ -129,7 +129,7 @@ def make_request(prompt: list[int], max_tokens: int, session_id: str = "", ignor
 def load_real_model(config):
     """SmolLM2 (or ``config.model``) exactly as the engine loads it, with the engine's
     torch thread count and seed. Returns the model."""
-    from engine_proc.engine import configure_torch, load_model
+    from engine_proc.factory import configure_torch, load_model
 
     configure_torch(config)
     t0 = time.perf_counter()
@@ -140,7 +140,7 @@ def load_real_model(config):
 
 def load_tiny_model(config):
     """The tiny random Llama of ``tests/conftest.py`` (needs the test extras)."""
-    from engine_proc.engine import configure_torch
+    from engine_proc.factory import configure_torch
     from tests.conftest import make_tiny_llama
 
     configure_torch(config)

@@ -47,7 +47,7 @@ def engine_logits(model_dir: str, dtype: str, ids: list[int]):
     """``[len(ids), vocab]`` float32 logits of every position through the engine's backend."""
     import torch
 
-    from engine_proc.engine import build_scheduler, load_model
+    from engine_proc.factory import build_scheduler, load_model
     from shared import config as cfg
 
     config = cfg.build(cfg.EngineConfig, {}, {}, model=model_dir, dtype=dtype, max_model_len=len(ids) + 16,
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from engine_proc.model_loader import resolve_model
+    from shared.models import resolve_model
 
     model_dir = str(resolve_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

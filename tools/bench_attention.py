@@ -2,7 +2,7 @@
 64, block size 16): milliseconds per layer for every way the paged backend can attend,
 at several batch sizes, with uniform and skewed row lengths, in float32 and bfloat16.
 
-Modes (``engine_proc.backends.paged.DecodeAttention``), all over the same paged cache
+Modes (``engine_proc.backends.paged_attention.DecodeAttention``), all over the same paged cache
 with rows' blocks scattered through it, as a busy pool leaves them:
 
 * ``kernel (c)``: the C kernel reading blocks in place (the CPU default);
@@ -53,7 +53,7 @@ def case(batch: int, lens: list[int], dtype, kernels):
     each mode's decode metadata for it."""
     import torch
 
-    from engine_proc.backends.paged import DecodeAttention, PagedForward
+    from engine_proc.backends.paged_attention import DecodeAttention, PagedForward
     from engine_proc.kv_cache import PagedKVCache
 
     need = [-(-n // BLOCK) for n in lens]
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from engine_proc.backends.paged import DecodeAttention, _decode_attention
+    from engine_proc.backends.paged_attention import DecodeAttention, decode_attention
     from engine_proc.kernels import CKernels, KernelsUnavailable, TorchKernels
 
     results = []
@@ -121,11 +121,11 @@ def main(argv=None) -> int:
                             kernels.num_threads = threads
                         metas = case(batch, lens, dtype, kernels)
                         row["ms_per_layer"][f"kernel ({kernels.name})"] = round(time_call(
-                            lambda: _decode_attention(metas[DecodeAttention.KERNEL], 0, query, HEAD_DIM ** -0.5),
+                            lambda: decode_attention(metas[DecodeAttention.KERNEL], 0, query, HEAD_DIM ** -0.5),
                             args.iters, args.repeats), 3)
                     for mode in (DecodeAttention.BATCHED, DecodeAttention.PER_ROW):
                         row["ms_per_layer"][mode.value] = round(time_call(
-                            lambda: _decode_attention(metas[mode], 0, query, HEAD_DIM ** -0.5),
+                            lambda: decode_attention(metas[mode], 0, query, HEAD_DIM ** -0.5),
                             args.iters, args.repeats), 3)
                     base = row["ms_per_layer"]["per_row"]
                     row["speedup_vs_per_row"] = {k: round(base / v, 2) for k, v in row["ms_per_layer"].items()}

@@ -204,7 +204,7 @@ def build_targets(args, tmp: Path) -> tuple[list[Target], list[Path]]:
 def model_dir(args) -> str:
     if args.model:
         return args.model
-    from engine_proc.model_loader import resolve_model
+    from shared.models import resolve_model
 
     return str(resolve_model(""))
 

@@ -81,7 +81,7 @@ def service(reqs, w_p: float, w_q: float) -> float:
 
 
 def run_policy(model, args, policy: str, deadline: bc.Deadline) -> dict:
-    from engine_proc.engine import build_scheduler
+    from engine_proc.factory import build_scheduler
     from engine_proc.request import RequestStatus
 
     config = engine_config(args, policy)
@@ -126,7 +126,7 @@ def run_policy(model, args, policy: str, deadline: bc.Deadline) -> dict:
         samples.append({"tick": tick, "t_s": round(time.perf_counter() - t_start, 4),
                         "A": service(sessions["A"], w_p, w_q), "B": service(sessions["B"], w_p, w_q),
                         "both_backlogged": both})
-    for rid in list(sched._requests):  # anything left over if a bound cut the run short
+    for rid in [r.request_id for r in sched.requests()]:  # anything left over if a bound cut the run short
         sched.abort_request(rid)
 
     window = [s for s in samples if s["tick"] <= window_end_tick]

@@ -99,7 +99,7 @@ def warm_up(model, args, deadline: bc.Deadline) -> None:
     markedly slower (the allocator first reaching the peak footprint: measured 11.4 s
     vs 8.2 s TTFT for the same 2,000-token prefill), so nothing measured goes first.
     ``--quick-warmup``: a 1,024-token prefill instead (biased against the first mode)."""
-    from engine_proc.engine import build_scheduler
+    from engine_proc.factory import build_scheduler
 
     if not args.quick_warmup:
         run_mode(model, args, "monolithic", 0, deadline, tail_ticks=2)
@@ -123,7 +123,7 @@ def run_mode(model, args, mode: str, chunk: int, deadline: bc.Deadline, tail_tic
              budget: int = 0) -> dict:
     """One measurement: streams decode, the long prompt arrives, tick until its first
     token plus ``tail_ticks``. Returns the mode's summary (times in ms / s)."""
-    from engine_proc.engine import build_scheduler
+    from engine_proc.factory import build_scheduler
 
     tail_ticks = args.tail_ticks if tail_ticks is None else tail_ticks
     config = engine_config(args, mode, chunk, budget)
@@ -160,7 +160,7 @@ def run_mode(model, args, mode: str, chunk: int, deadline: bc.Deadline, tail_tic
                 token_times[o.request_id].extend([t1] * len(o.token_ids))
         ticks.append({"t_end": t1, "dur_ms": (t1 - t0) * 1e3, "phase": phase,
                       "long_prompt_tokens": prompt_done() - before,
-                      "batch": len(sched._active)})
+                      "batch": sched.batch_size})
         return got
 
     for r in streams:
@@ -192,7 +192,7 @@ def run_mode(model, args, mode: str, chunk: int, deadline: bc.Deadline, tail_tic
             cpu_share = (time.process_time() - cpu_at_arrival) / (first_token - arrival)
         if first_token is not None and sum(t["phase"] == "after" for t in ticks) >= tail_ticks:
             break
-    for rid in list(sched._requests):  # free the rows (the scheduler is dropped next)
+    for rid in [r.request_id for r in sched.requests()]:  # free the rows (the scheduler is dropped next)
         sched.abort_request(rid)
 
     def itls(lo: float, hi: float) -> list[float]:

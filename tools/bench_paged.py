@@ -1,7 +1,7 @@
 """Paged backend benchmarks: prefix caching on vs off, and decode paged vs hf.
 
 In-process on the real model (SmolLM2-135M-Instruct unless ``--model``), built exactly
-as the engine builds it (``engine_proc.engine.build_scheduler``); no HTTP, no ZeroMQ.
+as the engine builds it (``engine_proc.factory.build_scheduler``); no HTTP, no ZeroMQ.
 Prompts are seeded random token ids and every request ignores EOS, so each mode does
 the same work. A token's time is when ``Scheduler.step()`` returns the tick that made it.
 
@@ -135,7 +135,7 @@ def summarize_run(times: dict, wall_s: float) -> dict:
 
 def bench_prefix(model, args) -> dict:
     """Benchmark 1: a shared system prompt, prefix caching on vs off."""
-    from engine_proc.engine import build_scheduler
+    from engine_proc.factory import build_scheduler
 
     vocab = model.config.vocab_size
     results = {}
@@ -172,7 +172,7 @@ def bench_decode(model, args) -> dict:
     Both schedulers get the same requests and their ticks alternate (hf, paged, hf, ...),
     so load from other processes on a shared machine hits both alike. Each backend's
     wall time is the sum of its own ticks."""
-    from engine_proc.engine import build_scheduler
+    from engine_proc.factory import build_scheduler
 
     vocab = model.config.vocab_size
     lo_out = max(1, args.decode_max_tokens * 3 // 4)
@@ -230,7 +230,7 @@ def bench_decode(model, args) -> dict:
 
 def warm_up(model, args) -> None:
     """A short unrecorded run on each backend: the first forwards in a process are slower."""
-    from engine_proc.engine import build_scheduler
+    from engine_proc.factory import build_scheduler
 
     rng = random.Random(args.seed + 99)
     for backend in ("hf", "paged"):

@@ -50,7 +50,7 @@ def tiny_model_dir(root: Path) -> Path:
     """The tests' tiny random Llama with SmolLM2's tokenizer, as a model directory."""
     from transformers import AutoTokenizer
 
-    from engine_proc.model_loader import resolve_model
+    from shared.models import resolve_model
     from tests.conftest import make_tiny_llama
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("")))

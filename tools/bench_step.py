@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     import torch
 
     from engine_proc.backends.base import pick_device, pick_dtype
-    from engine_proc.model_loader import resolve_model
+    from shared.models import resolve_model
     from engine_proc.threads import usable_cpus
     from transformers import AutoModelForCausalLM
 

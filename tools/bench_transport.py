@@ -65,12 +65,12 @@ def _receiver(carrier: str, run_dir: str, frames: int, ready, results) -> None:
     """The child: connect, say ready, receive ``frames`` frames, report latencies and CPU."""
     import zmq
 
-    from shared import shm
+    from shared import shm_channel
     from shared.transport import ClientChannel, topic_for
 
     topic = topic_for("bench-fe")
     if carrier == "shm":
-        chan = shm.ShmChannel(run_dir, "bench-fe", topic, b"*")
+        chan = shm_channel.ShmChannel(run_dir, "bench-fe", topic, b"*")
         while not chan.connect():
             time.sleep(0.01)
     else:
@@ -101,9 +101,9 @@ def _next_payload(chan) -> bytes | None:
     """The next frame's bytes from either carrier, not yet decoded."""
     import zmq
 
-    from shared import shm
+    from shared import shm_channel
 
-    if isinstance(chan, shm.ShmChannel):  # its poll() drained the doorbell
+    if isinstance(chan, shm_channel.ShmChannel):  # its poll() drained the doorbell
         rec = chan.inbound.read()
         return None if rec is None else rec[3]
     try:

@@ -24,11 +24,20 @@ the default model in a temporary run directory, then, one probe after another:
 11. ``kill -9`` of a frontend holding a stream, over ZeroMQ and over shared memory —
     seconds until the engine frees its row.
 
+With ``--shm``, instead: ``tickserve serve`` on the default model, and the nine
+shared-memory findings (``tools/_probe_shm.py``: an overflow marker with no frame, ring
+positions near 2^64, ``ftruncate`` of the memfds, silent and trickling handshakes, a live
+frontend's id, 500 idle handshakes, torn index loads, frames larger than the socket buffer,
+the frontend's aborts, receiver and event loop), each with its figure and the witness's:
+the engine the same process, ``/health`` codes, unrelated streams completed.
+
 Prints one JSON document (progress on stderr). Figures, not assertions: the tests in
-``tests/test_hardening.py`` assert the same behaviour on the tiny model.
+``tests/test_hardening.py`` and ``tests/test_shm_hostile.py`` assert the same behaviour on
+the tiny model.
 
 Usage:
     python tools/probe_hardening.py --out hardening.json
+    python tools/probe_hardening.py --shm --out hardening-shm.json
 """
 
 from __future__ import annotations
@@ -311,11 +320,14 @@ def main(argv=None) -> int:
     ap.add_argument("--garbage", type=int, default=10_000)
     ap.add_argument("--stalled", type=int, default=3_000)
     ap.add_argument("--sessions", type=int, default=5_000)
+    ap.add_argument("--shm", action="store_true", help="the shared-memory findings against tickserve serve instead")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not args.model:
-        from engine_proc.model_loader import resolve_model
+        from shared.models import resolve_model
         args.model = str(resolve_model(""))
+    if args.shm:
+        return report(probe_shm(args), args.out)
     tmp = Path(tempfile.mkdtemp(prefix="probe-"))
     run = Path(tempfile.mkdtemp(prefix="ts-probe-", dir="/tmp"))
     group = ProcessGroup(tmp)
@@ -353,10 +365,38 @@ def main(argv=None) -> int:
         group.close()
         shutil.rmtree(run, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
+    return report(result, args.out)
+
+
+def probe_shm(args) -> dict:
+    """``tickserve serve`` (one engine, the default shared-memory carrier) and the nine
+    shared-memory findings against it."""
+    from tests.procs import child_running
+    from tools import _probe_shm
+
+    tmp = Path(tempfile.mkdtemp(prefix="probe-"))
+    run = Path(tempfile.mkdtemp(prefix="ts-probe-", dir="/tmp"))
+    group = ProcessGroup(tmp)
+    try:
+        port = free_port()
+        serve = group.spawn(["-m", "shared.cli", "serve", "--model", args.model, "--port", str(port),
+                             "--run-dir", str(run), "--data-parallel-size", "1"], "serve")
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base, 300)
+        result = {"probe": "hardening-shm", "model": args.model,
+                  **_probe_shm.run_all(run, base, serve, lambda: child_running(serve.popen.pid, "engine_proc"))}
+    finally:
+        group.close()
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
+def report(result: dict, out: str | None) -> int:
     text = json.dumps(result, indent=2)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    if out:
+        Path(out).write_text(text + "\n")
     return 0
 
 

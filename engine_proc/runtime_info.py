@@ -1,0 +1,37 @@
+"""The engine's runtime record: what actually runs (model, device, dtype, threads,
+backend, prefill mode, policy, transport, kernels, KV blocks).
+
+One :class:`~shared.protocol.RuntimeInfo` per engine, read off the built scheduler once
+at start-up; the engine's start-up line, its ``Welcome`` (hence the frontend's
+``/version``) and every ``Stats`` (``/scheduler/stats``, the dashboard) all carry this
+same record.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_proc.scheduler import Scheduler
+from shared import config as cfg
+from shared import protocol as p
+
+
+def runtime_info(config: cfg.EngineConfig, scheduler: Scheduler, model_dir: str = "") -> p.RuntimeInfo:
+    """The engine's :class:`~shared.protocol.RuntimeInfo`, read off what actually runs."""
+    backend = scheduler.backend
+    dtype = next(backend.model.parameters()).dtype if hasattr(backend, "model") else None
+    from shared.models import model_fingerprint
+
+    schemes = sorted({addr.split("://", 1)[0] for addr in (config.resolved_input_addr, config.resolved_output_addr)})
+    return p.RuntimeInfo(
+        model=str(model_dir or config.model), device=str(backend.device),
+        dtype=str(dtype).removeprefix("torch.") if dtype is not None else "unknown",
+        torch_threads=backend.threads.max_threads if getattr(backend, "threads", None) else torch.get_num_threads(),
+        backend=config.backend,
+        prefill_mode=scheduler.prefill_mode.value, policy=config.policy,
+        transport=("shm+" if config.transport != "zmq" and config.run_dir else "") + "zmq " + "+".join(schemes),
+        model_fingerprint=model_fingerprint(model_dir) if model_dir else "",
+        kernels=getattr(getattr(backend, "kernels", None), "name", ""),
+        model_runner=getattr(backend, "model_runner", "transformers"),
+        single_thread_below=backend.threads.single_thread_below if getattr(backend, "threads", None) else 0,
+        kv_block_size=scheduler.block_pool.block_size, kv_num_blocks=scheduler.block_pool.num_blocks)
