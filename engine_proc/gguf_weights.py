@@ -32,6 +32,7 @@ from engine_proc import quant
 
 log = logging.getLogger(__name__)
 
+NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 PROJECTIONS = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
                "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 
@@ -39,12 +40,17 @@ PROJECTIONS = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn
 @dataclass
 class GGUFWeights:
     """Packed projections by ``(layer, hf_name)`` (``hf_name`` as in transformers' Llama:
-    ``q_proj``, …, ``down_proj``), the packed LM head (``None`` when it is a float
-    tensor), and the GGUF types seen, for the runtime record."""
+    ``q_proj``, …, ``down_proj``), the packed LM head and token embedding (``None`` when
+    float tensors), the float tensors by their transformers name (the norms; the
+    embedding or head where they are float), and the GGUF types seen, for the runtime
+    record."""
 
     layers: dict[tuple[int, str], quant.PackedWeight] = field(default_factory=dict)
     lm_head: quant.PackedWeight | None = None
+    embed: quant.PackedWeight | None = None
+    floats: dict[str, np.ndarray] = field(default_factory=dict)
     types: dict[str, int] = field(default_factory=dict)
+    kind: str = "gguf"  # what --quantization resolved to: gguf (the file's own types) | int8 | int4
 
     @property
     def summary(self) -> str:
@@ -106,10 +112,39 @@ def read(path: str | Path, config) -> GGUFWeights:
             if packed is not None:
                 out.layers[(i, hf_name)] = packed
                 out.types[packed.source] = out.types.get(packed.source, 0) + 1
-    head = tensors.get("output.weight") or tensors.get("token_embd.weight")
-    if head is not None:
-        n_in, n_out = (int(x) for x in head.shape)
-        out.lm_head = _packed(head, n_out, n_in, None)
-        if out.lm_head is not None:
-            out.types[out.lm_head.source] = out.types.get(out.lm_head.source, 0) + 1
+        for gguf_name, hf_name in NORMS.items():
+            out.floats[f"model.layers.{i}.{hf_name}.weight"] = _float(tensors, f"blk.{i}.{gguf_name}.weight", path)
+    out.floats["model.norm.weight"] = _float(tensors, "output_norm.weight", path)
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise ValueError(f"{path}: no tensor token_embd.weight")
+    head = tensors.get("output.weight")
+    for name, t in (("model.embed_tokens.weight", embed), ("lm_head.weight", head)):
+        if t is None:
+            continue
+        n_in, n_out = (int(x) for x in t.shape)
+        packed = _packed(t, n_out, n_in, None)
+        if packed is None:
+            out.floats[name] = _float(tensors, t.name, path).reshape(n_out, n_in)
+        elif name == "lm_head.weight":
+            out.lm_head = packed
+        else:
+            out.embed = packed
+    if head is None:  # tied: the embedding is the LM head
+        out.lm_head = out.embed
+    if out.lm_head is not None:
+        out.types[out.lm_head.source] = out.types.get(out.lm_head.source, 0) + 1
     return out
+
+
+def _float(tensors: dict, name: str, path) -> np.ndarray:
+    t = tensors.get(name)
+    if t is None:
+        raise ValueError(f"{path}: no tensor {name}")
+    if t.tensor_type.name not in ("F32", "F16", "BF16"):
+        from gguf import GGMLQuantizationType, quants
+
+        return quants.dequantize(np.asarray(t.data), GGMLQuantizationType[t.tensor_type.name]).astype(np.float32)
+    if t.tensor_type.name == "BF16":
+        return (np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(t.data).astype(np.float32)

@@ -157,6 +157,8 @@ class PagedBackend(Backend):
             from engine_proc.backends.linear import measure_crossover
 
             self.runner.plan.quantized_below = measure_crossover(self.runner.layers[0].gate_up, param.dtype)
+        self.weights_precision = f"{low_bit.summary} ({low_bit.kind})" if self.qmatmul is not None else ""
+        self.matmul_plan = self._describe_matmul()
         rope_rows = self.runner.cos_sin.shape[0] if self.runner is not None else max_model_len
         self.limits = KernelLimits(block_pool.num_blocks, self.block_size, rope_rows, self.device)
         if self.runner is not None:
@@ -164,6 +166,15 @@ class PagedBackend(Backend):
                                                                  self.threads)
         self._rows: dict[str, _Row] = {}
         self._decode: list[str] = []  # decode batch order
+
+    def _describe_matmul(self) -> str:
+        """The runtime record's ``matmul``: which kernel a pass of how many rows takes."""
+        dense = "oneDNN" if self.runner is not None and self.runner.packed else "torch"
+        if self.qmatmul is None:
+            return dense
+        below = self.runner.plan.quantized_below
+        low = f"low-bit {self.qmatmul.isa}"
+        return f"{low} (every pass)" if below >= 1 << 30 else f"{low} below {below} rows, {dense} above"
 
     @property
     def _reads_block_tails(self) -> bool:
