@@ -283,9 +283,9 @@ def gguf_path(args) -> str:
 def model_dir(args) -> str:
     if args.model:
         return args.model
-    from shared.models import resolve_model
+    from shared.models import hf_directory
 
-    return str(resolve_model(""))
+    return str(hf_directory(""))  # vLLM reads float weights: written once on demand
 
 
 async def warm_up(t: Target, args) -> None:
