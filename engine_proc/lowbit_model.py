@@ -12,7 +12,7 @@ builds the transformers model from its ``config.json`` and fills it from the pac
 weights, de-quantized to the model dtype — the numbers transformers' own GGUF loader
 gives, exactly — so the dense path (``none``, the large passes a measured crossover may
 give it, the transformers fallback) is always there. The packed layout of a GGUF is made
-once and kept in its entry as ``lowbit.safetensors`` (``uint8`` tiles and the float norms,
+once and kept in its entry as ``lowbit.tickserve`` (a safetensors file of ``uint8`` tiles and the float norms,
 with the formats in the file's metadata); later starts map it instead of repacking.
 """
 
@@ -28,6 +28,7 @@ import torch
 from engine_proc import quant
 from engine_proc.gguf_weights import GGUFWeights, read as read_gguf
 from shared.models import LOW_BIT_FILE as CACHE_FILE
+from shared.models import OLD_LOW_BIT_FILE
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +109,14 @@ def load(path: Path) -> GGUFWeights:
 
 
 def gguf_weights(entry: Path, gguf: Path, config) -> GGUFWeights:
-    """The packed weights of ``gguf``, from its cache entry's ``lowbit.safetensors``
-    (made from the file the first time, under the entry's lock)."""
+    """The packed weights of ``gguf``, from its cache entry's :data:`CACHE_FILE` (made from
+    the file the first time, under the entry's lock)."""
     from shared import model_cache
 
+    try:
+        (entry / OLD_LOW_BIT_FILE).unlink(missing_ok=True)  # where vLLM would try to load it
+    except OSError:
+        pass
     cached = entry / CACHE_FILE
     if cached.exists():
         try:

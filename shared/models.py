@@ -146,14 +146,16 @@ def _dequantize(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-LOW_BIT_FILE = "lowbit.safetensors"
-"""The packed low-bit weights the engine keeps in a Llama GGUF's entry (not a checkpoint)."""
+LOW_BIT_FILE = "lowbit.tickserve"
+"""The packed low-bit weights the engine keeps in a Llama GGUF's entry: a safetensors file
+under a name no checkpoint reader globs (vLLM loads every ``*.safetensors`` it finds)."""
+OLD_LOW_BIT_FILE = "lowbit.safetensors"  # its name before: removed where found
 
 
 def has_weights(model_dir: Path) -> bool:
     """Whether a model directory holds checkpoint weight files (a Llama GGUF's entry does
     not: at most its packed :data:`LOW_BIT_FILE`)."""
-    return any(p.name != LOW_BIT_FILE for p in model_dir.glob("*.safetensors")) or any(model_dir.glob("*.bin"))
+    return any(p.name != OLD_LOW_BIT_FILE for p in model_dir.glob("*.safetensors")) or any(model_dir.glob("*.bin"))
 
 
 def gguf_source(model: str) -> Path | None:
