@@ -55,7 +55,7 @@ class EngineConfig:
     input_addr: str = _opt("", "engine PULL address (submit/abort); empty → ipc://<run_dir>/input.sock")
     output_addr: str = _opt("", "engine PUB address (acks/tokens); empty → ipc://<run_dir>/output.sock")
     max_queue_size: int = _opt(256, "gate 1: requests allowed to wait before HTTP 429 (card: MAX_QUEUE_SIZE)")
-    max_batch_size: int = _opt(128, "rows running at once, prefilling plus decoding (card: MAX_BATCH_SIZE)")
+    max_batch_size: int = _opt(256, "rows running at once, prefilling plus decoding (card: MAX_BATCH_SIZE)")
     prefill_chunk_size: int = _opt(256, "tokens of one prompt per tick in chunked mode (card: PREFILL_CHUNK_SIZE)")
     prefill_mode: str = _opt("", "monolithic | chunked | mixed_batch | disaggregated; empty → chunked if prefill_chunk_size > 0")
     max_num_batched_tokens: int = _opt(0, "mixed_batch: tokens in one tick's forward pass, one per decode row first, prompt chunks get the rest; 0 → max_batch_size + prefill_chunk_size (vLLM: max_num_batched_tokens)")
