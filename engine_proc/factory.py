@@ -21,17 +21,41 @@ from shared import placement, startup_faults
 
 
 def load_model(config: cfg.EngineConfig):
-    """Load the causal LM on the configured device. Returns ``(model, model_dir)``.
-    Raises :class:`~shared.startup_faults.StartupFault` for files that cannot load."""
+    """Load the causal LM on the configured device. Returns ``(model, model_dir)``; with
+    low-bit weights (``--quantization``, :mod:`engine_proc.lowbit_model`) the model carries
+    them as its ``tickserve_low_bit`` attribute, which :func:`make_backend` hands to the
+    paged backend. Raises :class:`~shared.startup_faults.StartupFault` for files that
+    cannot load."""
     from transformers import AutoModelForCausalLM
 
-    from shared.models import resolve_model
+    from engine_proc import lowbit_model
+    from engine_proc.backends.llama_runner import SUPPORTED_MODEL_TYPES
+    from shared.models import LOW_BIT_ARCHITECTURES, gguf_architecture, gguf_source, has_weights, resolve_model
+
     model_dir = resolve_model(config.model)
-    startup_faults.check_model_dir(model_dir, tokenizer=False)  # the engine needs no tokenizer
+    gguf = gguf_source(config.model)
+    if gguf is not None and gguf_architecture(gguf) not in LOW_BIT_ARCHITECTURES:
+        gguf = None  # transformers' de-quantized copy runs it
+    packed_only = gguf is not None and not has_weights(model_dir)  # a Llama GGUF's entry
+    startup_faults.check_model_dir(model_dir, weights=not packed_only, tokenizer=False)  # no tokenizer needed
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
-    with startup_faults.faults_of(model_dir, tokenizer=False):
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    with startup_faults.faults_of(gguf if packed_only else model_dir, tokenizer=False):
+        low_bit = None
+        if packed_only:
+            from transformers import AutoConfig
+
+            low_bit = lowbit_model.gguf_weights(model_dir, gguf, AutoConfig.from_pretrained(str(model_dir)))
+            model = lowbit_model.model_from_packed(model_dir, low_bit, dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        kind = lowbit_model.resolve_quantization(config.quantization, device, gguf,
+                                                 model.config.model_type in SUPPORTED_MODEL_TYPES)
+        if kind == "gguf" and low_bit is None:  # an entry that also holds the float32 copy
+            low_bit = lowbit_model.gguf_weights(model_dir, gguf, model.config)
+        elif kind in ("int8", "int4"):
+            low_bit = lowbit_model.quantize_model(model, kind)
+        setattr(model, lowbit_model.LOW_BIT_ATTR, low_bit if kind != "none" else None)
     return model.to(device).eval(), model_dir
 
 
@@ -96,8 +120,11 @@ def make_backend(config: cfg.EngineConfig, model, max_model_len: int, pool: Bloc
         return HFBackend(model, max_model_len)
     from engine_proc.backends.paged import PagedBackend
 
+    from engine_proc.lowbit_model import LOW_BIT_ATTR
+
     threads = ThreadPlan(config.torch_threads or usable_cpus(), config.single_thread_below)
-    return PagedBackend(model, max_model_len, pool, kernels=config.kernels, threads=threads)
+    return PagedBackend(model, max_model_len, pool, kernels=config.kernels, threads=threads,
+                        low_bit=getattr(model, LOW_BIT_ATTR, None))
 
 
 def configure_torch(config: cfg.EngineConfig) -> None:

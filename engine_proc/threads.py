@@ -12,7 +12,7 @@ that the extra cores win. :class:`ThreadPlan` picks per pass by its token count.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,11 +29,12 @@ def usable_cpus() -> int:
 class ThreadPlan:
     """``max_threads`` for passes of at least ``single_thread_below`` tokens, one thread
     below that (0: always ``max_threads``). :meth:`apply` sets torch's thread count and
-    the kernels' (``kernels.num_threads``) before a pass, only when it changes."""
+    that of every kernel object in ``kernels`` (their ``num_threads``) before a pass, only
+    when it changes."""
 
     max_threads: int
     single_thread_below: int = 0
-    kernels: object | None = None
+    kernels: list = field(default_factory=list)
     _current: int = 0
 
     def threads_for(self, num_tokens: int) -> int:
@@ -45,7 +46,8 @@ class ThreadPlan:
         threads = self.threads_for(num_tokens)
         if threads != self._current:
             torch.set_num_threads(threads)
-            if self.kernels is not None and hasattr(self.kernels, "num_threads"):
-                self.kernels.num_threads = threads
+            for kernels in self.kernels:
+                if hasattr(kernels, "num_threads"):
+                    kernels.num_threads = threads
             self._current = threads
         return threads

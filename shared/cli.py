@@ -4,6 +4,7 @@
     tickserve engine         the engine alone: binds its sockets and runs the tick loop
     tickserve frontend       one HTTP frontend against a running engine (scale these out)
     tickserve cache          list the converted-model cache, or prune copies of the old layout
+    tickserve convert --hf   write a model's float32 Hugging Face directory (for vLLM, lm-eval)
 
 serve runs each part as a child process (python -m engine_proc, python -m frontend)
 so that one can die without taking the other down. MODEL (or --model) is a local
@@ -144,6 +145,30 @@ def cmd_cache(argv: list[str]) -> int:
     return 0
 
 
+def cmd_convert(argv: list[str]) -> int:
+    """tickserve convert --hf [MODEL]: a plain Hugging Face directory of MODEL (default: the
+    embedded SmolLM2) with float32 weights, for tools that read one (vLLM, lm-eval,
+    tools/bench_accuracy.py's reference). A Llama GGUF's cache entry holds only its packed
+    low-bit weights; this adds the de-quantized model.safetensors to it (once). Prints the
+    directory's path, alone, on stdout."""
+    from shared import startup_faults
+    from shared.models import ModelNotFound, hf_directory
+
+    parser = OneLineParser(prog="tickserve convert", description=cmd_convert.__doc__)
+    parser.add_argument("--hf", action="store_true", required=True, help="write the float32 Hugging Face directory")
+    parser.add_argument("model", nargs="?", default="", help="a .gguf file or model directory; empty: the embedded default")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
+    try:
+        print(hf_directory(args.model))
+    except ModelNotFound as exc:
+        print(f"tickserve convert: {exc}", file=sys.stderr)
+        return startup_faults.EXIT_CONFIG
+    except startup_faults.StartupFault as fault:
+        return startup_faults.report("tickserve convert", fault)
+    return 0
+
+
 def _display(model: str) -> str:
     from shared.models import model_display_name
 
@@ -163,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("engine", help="the engine process alone", add_help=False)
     sub.add_parser("frontend", help="one HTTP frontend", add_help=False)
     sub.add_parser("cache", help="list or prune the converted-model cache", add_help=False)
+    sub.add_parser("convert", help="write a model's float32 Hugging Face directory (--hf)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "engine":
         from engine_proc.engine import main as engine_main
@@ -172,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         return frontend_main(argv[1:])
     if argv and argv[0] == "cache":
         return cmd_cache(argv[1:])
+    if argv and argv[0] == "convert":
+        return cmd_convert(argv[1:])
     args = parser.parse_args(argv)
     if args.model_positional:
         if args.model and args.model != args.model_positional:

@@ -55,7 +55,7 @@ class EngineConfig:
     input_addr: str = _opt("", "engine PULL address (submit/abort); empty → ipc://<run_dir>/input.sock")
     output_addr: str = _opt("", "engine PUB address (acks/tokens); empty → ipc://<run_dir>/output.sock")
     max_queue_size: int = _opt(256, "gate 1: requests allowed to wait before HTTP 429 (card: MAX_QUEUE_SIZE)")
-    max_batch_size: int = _opt(128, "rows running at once, prefilling plus decoding (card: MAX_BATCH_SIZE)")
+    max_batch_size: int = _opt(256, "rows running at once, prefilling plus decoding (card: MAX_BATCH_SIZE)")
     prefill_chunk_size: int = _opt(256, "tokens of one prompt per tick in chunked mode (card: PREFILL_CHUNK_SIZE)")
     prefill_mode: str = _opt("", "monolithic | chunked | mixed_batch | disaggregated; empty → chunked if prefill_chunk_size > 0")
     max_num_batched_tokens: int = _opt(0, "mixed_batch: tokens in one tick's forward pass, one per decode row first, prompt chunks get the rest; 0 → max_batch_size + prefill_chunk_size (vLLM: max_num_batched_tokens)")
@@ -67,6 +67,7 @@ class EngineConfig:
     kv_num_blocks: int = _opt(0, "blocks in the pool; 0 → enough for max_batch_size full-context rows, capped by kv_memory_fraction")
     kv_memory_fraction: float = _opt(0.25, "when kv_num_blocks is 0, the pool takes at most this fraction of the accelerator's (or host's) free memory at start; 0 → no cap")
     backend: str = _opt("paged", "paged (KV in the block pool, prefix caching) | hf (DynamicCache, left-padded)")
+    quantization: str = _opt("auto", "weights' precision: auto (a Llama GGUF's own low-bit types on a CPU, as they are; else none) | none (de-quantized, in the model dtype) | int8 | int4 (the projections quantized at start: Q8_0, Q4_1)")
     kernels: str = _opt("auto", "paged backend's non-matmul kernels: auto (C compiled for this CPU at first start, else torch ops) | c | torch")
     prefix_caching: bool = _opt(True, "reuse cached KV blocks of shared prompt prefixes (paged backend only)")
     max_model_len: int = _opt(2048, "context window in tokens (prompt + output); capped by the model's own")
@@ -142,6 +143,8 @@ class EngineConfig:
             out.append(f"unknown backend {self.backend!r}")
         if self.kernels not in ("auto", "c", "torch"):
             out.append(f"unknown kernels {self.kernels!r} (auto, c, torch)")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            out.append(f"unknown quantization {self.quantization!r} (auto, none, int8, int4)")
         if self.transport not in ("auto", "shm", "zmq"):
             out.append(f"unknown transport {self.transport!r} (auto, shm, zmq)")
         if self.shm_ring_bytes < 1 << 14 or self.shm_ring_bytes & (self.shm_ring_bytes - 1):

@@ -142,6 +142,27 @@ def convert_cached(gguf: Path, convert: Callable[[Path, Path], None], root: Path
     return target
 
 
+def add_files(entry: Path, write: Callable[[Path], None], names: tuple[str, ...]) -> None:
+    """Add the files ``names`` to the cache entry ``entry`` unless all are there already:
+    ``write(tmp)`` writes them into a temporary directory beside it, then each is renamed
+    into place, under the entry's lock (a second process waits, then finds them made). A
+    crash leaves no half-written file in the entry."""
+    if all((entry / n).exists() for n in names):
+        return
+    with open(entry.parent / f".{entry.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if all((entry / n).exists() for n in names):
+            return
+        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=entry.parent))
+        try:
+            (tmp / CONVERT_MARKER).write_text(json.dumps({"adding to": str(entry), "pid": os.getpid()}))
+            write(tmp)
+            for n in names:
+                os.replace(tmp / n, entry / n)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _write_source(directory: Path, digest: str, gguf: Path) -> None:
     (directory / SOURCE_FILE).write_text(json.dumps({"sha256": digest, "converted_from": str(gguf.resolve())}))
 

@@ -241,6 +241,8 @@ class RuntimeInfo(Struct, frozen=True, array_like=True):
     single_thread_below: int = 0  # passes of fewer tokens run on one thread (0: never)
     kv_block_size: int = 0  # tokens per KV block (0: not reported)
     kv_num_blocks: int = 0  # blocks in the KV pool
+    weights: str = ""  # weights' precision: "bfloat16", or the packed types, e.g. "Q4_1×210 Q8_0×1 (gguf)"
+    matmul: str = ""  # which matmul a pass takes, e.g. "low-bit avx512vnni (every pass)"
 
     def summary(self) -> str:
         """One line for logs: ``device cpu, dtype float32, 1 thread, backend paged, ...``."""
@@ -248,7 +250,8 @@ class RuntimeInfo(Struct, frozen=True, array_like=True):
         if self.single_thread_below and self.torch_threads > 1:
             threads += f" (1 below {self.single_thread_below} tokens a pass)"
         backend = self.backend + (f" ({self.model_runner}, {self.kernels} kernels)" if self.kernels else "")
-        return (f"device {self.device}, dtype {self.dtype}, {threads}, backend {backend}, "
+        weights = f", weights {self.weights}" if self.weights else ""
+        return (f"device {self.device}, dtype {self.dtype}{weights}, {threads}, backend {backend}, "
                 f"prefill {self.prefill_mode}, policy {self.policy}"
                 + (f", transport {self.transport}" if self.transport else ""))
 

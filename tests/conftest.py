@@ -29,10 +29,11 @@ TINY_LLAMA = dict(
 
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
-    """Converted float32 SmolLM2-135M-Instruct directory (converted once, cached)."""
-    from shared.models import resolve_model
+    """SmolLM2-135M-Instruct as a float32 Hugging Face directory (the default GGUF's cache
+    entry, with its de-quantized copy written once on demand)."""
+    from shared.models import hf_directory
 
-    return resolve_model("")
+    return hf_directory("")
 
 
 @pytest.fixture(scope="session")

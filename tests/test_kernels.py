@@ -101,18 +101,46 @@ def test_c_decode_attention_matches_torch(dtype, d, group, bs):
 
 
 @needs_c
-def test_c_decode_attention_ignores_garbage_past_a_rows_length():
-    """The unwritten tail of a row's last block is read but masked: NaN there changes nothing."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [20, 21])
+def test_c_decode_attention_ignores_garbage_past_a_rows_length(dtype, n):
+    """The unwritten tail of a row's last block is read but masked: NaN there changes nothing
+    (an odd length leaves a bfloat16 value pair half unwritten)."""
     d, group, bs, kvh = 64, 3, 16, 2
-    cache = _cache(8, bs, kvh, d, torch.float32)
+    cache = _cache(8, bs, kvh, d, dtype)
     tables = torch.tensor([[0, 1]], dtype=torch.int32)
-    q = torch.randn(1, kvh * group * d)
-    c = CKernels(torch.float32, d, group, bs, num_threads=1)
-    lens = torch.tensor([20], dtype=torch.int32)
+    q = torch.randn(1, kvh * group * d).to(dtype)
+    c = CKernels(dtype, d, group, bs, num_threads=1)
+    lens = torch.tensor([n], dtype=torch.int32)
     clean = c.decode_attention(q, cache.keys[0], cache.values[0], tables, lens, 0.125)
-    cache.keys[0][1, :, :, 4:] = float("nan")
-    cache.values[0][1, :, 4:, :] = float("nan")
-    assert torch.equal(clean, c.decode_attention(q, cache.keys[0], cache.values[0], tables, lens, 0.125))
+    k, v = cache.keys[0], cache.values[0]
+    for t in range(n - bs, bs):  # the tokens of block 1 past the row's length, in either layout
+        if k.dim() == 5:  # bfloat16 pairs: K [.., D/2, bs, 2], V [.., bs/2, D, 2]
+            k[1, :, :, t, :] = float("nan")
+            v[1, :, t // 2, :, t % 2] = float("nan")
+        else:
+            k[1, :, :, t] = float("nan")
+            v[1, :, t, :] = float("nan")
+    got = c.decode_attention(q, cache.keys[0], cache.values[0], tables, lens, 0.125)
+    assert not got.isnan().any()
+    assert torch.equal(clean, got)
+
+
+@needs_c
+def test_c_decode_attention_long_and_short_rows_in_one_batch():
+    """Rows of up to 4,096 keys keep their scores (two-pass softmax); longer rows take the
+    online form: both, side by side in one call, match SDPA."""
+    d, group, bs, kvh, dtype = 64, 3, 16, 1, torch.bfloat16
+    lens = [4096, 4097, 5000, 33]
+    nb = sum(-(-n // bs) for n in lens) + 1
+    cache = _cache(nb, bs, kvh, d, dtype, seed=2)
+    tables = _tables(lens, bs, nb, seed=2)
+    q = torch.randn(len(lens), kvh * group * d).to(dtype)
+    c = CKernels(dtype, d, group, bs, num_threads=2)
+    got = c.decode_attention(q, cache.keys[0], cache.values[0], tables, torch.tensor(lens, dtype=torch.int32),
+                             d ** -0.5)
+    want = _sdpa_reference(q, cache, tables, lens, kvh * group, kvh, d, d ** -0.5)
+    assert (got.float() - want).abs().max().item() < TOL[dtype]
 
 
 @needs_c

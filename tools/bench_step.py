@@ -107,13 +107,13 @@ def main(argv=None) -> int:
     import torch
 
     from engine_proc.backends.base import pick_device, pick_dtype
-    from shared.models import resolve_model
+    from shared.models import hf_directory
     from engine_proc.threads import usable_cpus
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads or usable_cpus())
     dtype = pick_dtype(args.dtype, pick_device("cpu"))
-    model_dir = str(resolve_model(args.model))
+    model_dir = str(hf_directory(args.model))
     results = []
     for batch in args.batch:
         row = {"batch": batch}

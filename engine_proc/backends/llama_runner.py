@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine_proc.backends.linear import Linear, MatmulPlan
 from engine_proc.backends.prefill_attention import SDPA_ONLY, PrefillAttentionPlan, matmul_attention, sdpa_attention
 from engine_proc.kernels import TorchKernels
 
@@ -83,40 +84,6 @@ def _fuse(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]
     return weight, bias
 
 
-class Linear:
-    """``y = x Wᵀ + b`` for ``x`` ``[T, in]``. On a CPU with oneDNN the weight is also kept
-    reordered into oneDNN's blocked layout once (what inductor's freezing pass does):
-    the plain ``F.linear`` reorders it on every call, which at decode batch sizes costs
-    as much as the product (measured: 2× faster at batch 1, 1.5× at batch 64, bfloat16).
-    Falls back to ``F.linear`` where the packed path is missing or disagrees."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool):
-        self.weight, self.bias = weight, bias
-        self.packed = _packed(weight, bias) if pack else None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-def _packed(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """``weight`` in oneDNN's layout, or ``None`` when that path is unavailable or wrong here."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-        x = torch.randn(3, weight.shape[1], dtype=weight.dtype)
-        got = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    except (RuntimeError, AttributeError):
-        return None
-    want = F.linear(x, weight, bias)
-    tol = 1e-4 if weight.dtype == torch.float32 else 5e-2
-    if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
-        return None
-    return packed
-
-
 @dataclass
 class _Layer:
     ln1: torch.Tensor
@@ -134,9 +101,13 @@ class LlamaRunner:
     sequence whose KV lives in a :class:`~engine_proc.kv_cache.PagedKVCache`.
 
     ``kernels``: :class:`~engine_proc.kernels.CKernels` on a CPU, or the torch ops.
+    ``low_bit``: the model's projections and LM head as packed low-bit weights
+    (:class:`~engine_proc.gguf_weights.GGUFWeights`), run by ``qmatmul``
+    (:class:`~engine_proc.kernels.QMatmul`) for the passes ``plan`` gives them.
     """
 
-    def __init__(self, model, cache, kernels: TorchKernels, max_model_len: int, pack_weights: bool = True):
+    def __init__(self, model, cache, kernels: TorchKernels, max_model_len: int, pack_weights: bool = True,
+                 low_bit=None, qmatmul=None, plan: MatmulPlan | None = None):
         reason = unsupported_reason(model)
         if reason:
             raise NotImplementedError(reason)
@@ -151,18 +122,28 @@ class LlamaRunner:
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.norm_eps = float(inner.norm.variance_epsilon)
-        self.lm_head = Linear(model.lm_head.weight.detach(), _bias(model.lm_head), pack_weights)
+        self.plan = plan or MatmulPlan()
+        q = qmatmul if low_bit is not None else None
+
+        def low(i, *names):
+            parts = [low_bit.layers.get((i, n)) for n in names] if q is not None else []
+            return dict(parts=parts, qmatmul=q, plan=self.plan) if parts and all(parts) else {}
+
+        self.lm_head = Linear(model.lm_head.weight.detach(), _bias(model.lm_head), pack_weights, logits=True,
+                              **(dict(parts=[low_bit.lm_head], qmatmul=q, plan=self.plan)
+                                 if q is not None and low_bit.lm_head is not None else {}))
         self.layers: list[_Layer] = []
-        for layer in inner.layers:
+        for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
                 layer.input_layernorm.weight.detach(), float(layer.input_layernorm.variance_epsilon),
-                Linear(*_fuse(attn.q_proj, attn.k_proj, attn.v_proj), pack_weights),
-                Linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), pack_weights),
+                Linear(*_fuse(attn.q_proj, attn.k_proj, attn.v_proj), pack_weights, **low(i, "q_proj", "k_proj", "v_proj")),
+                Linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), pack_weights, **low(i, "o_proj")),
                 layer.post_attention_layernorm.weight.detach(), float(layer.post_attention_layernorm.variance_epsilon),
-                Linear(*_fuse(mlp.gate_proj, mlp.up_proj), pack_weights),
-                Linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), pack_weights)))
+                Linear(*_fuse(mlp.gate_proj, mlp.up_proj), pack_weights, **low(i, "gate_proj", "up_proj")),
+                Linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), pack_weights, **low(i, "down_proj"))))
         self.packed = all(lin.packed is not None for layer in self.layers for lin in (layer.qkv, layer.o))
+        self.low_bit = low_bit.summary if q is not None else ""
         self.cos_sin = rope_table(inner.rotary_emb, max_model_len, self.head_dim, self.embed.device)
         # which path each prefill segment's attention takes (measured by the backend)
         self.prefill_plan: PrefillAttentionPlan = SDPA_ONLY
@@ -207,7 +188,7 @@ class LlamaRunner:
             x = layer.down(kern.silu_and_mul(layer.gate_up(h)))
         last = residual.index_select(0, keep)
         last.add_(x.index_select(0, keep))
-        return self.lm_head(kern.add_rms_norm(last, None, self.norm, self.norm_eps))
+        return self.lm_head(kern.add_rms_norm(last, None, self.norm, self.norm_eps))  # float32
 
     def _split_prefill(self, prefill, offset: int):
         """Short segments for the decode kernel — ``(rows [Tk] in the sequence, block tables

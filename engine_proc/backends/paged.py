@@ -107,12 +107,15 @@ class PagedBackend(Backend):
 
     def __init__(self, model: torch.nn.Module, max_model_len: int, block_pool: BlockPool,
                  decode_attention: DecodeAttention | str | None = None, kernels: str = "auto",
-                 runner: bool | None = None, threads: ThreadPlan | None = None):
+                 runner: bool | None = None, threads: ThreadPlan | None = None, low_bit=None):
         """``decode_attention``: None → KERNEL. ``kernels``: ``auto`` (C on a CPU where
         they build, else torch ops) | ``c`` | ``torch``. ``runner``: None → the lean
         runner when the model is one it runs, False → always transformers. Raises
         NotImplementedError for a model whose attention this backend would get wrong,
-        and KernelsUnavailable for ``kernels="c"`` where they cannot be built."""
+        and KernelsUnavailable for ``kernels="c"`` where they cannot be built. ``low_bit``: packed
+        low-bit projections (:class:`~engine_proc.gguf_weights.GGUFWeights`) for the lean
+        runner, run by ``qmatmul.c`` for the passes :func:`~engine_proc.backends.linear.measure_crossover`
+        gives them (it raises KernelsUnavailable where that cannot be built)."""
         from engine_proc.backends.llama_runner import LlamaRunner, unsupported_reason
         from engine_proc.backends.prefill_attention import measure as measure_prefill_attention
 
@@ -138,12 +141,24 @@ class PagedBackend(Backend):
             raise NotImplementedError(f"{type(model).__name__} cannot switch its attention function "
                                       "(AttentionInterface); use --backend hf")
         why_not = unsupported_reason(model) if runner is not False else "disabled"
-        self.runner = LlamaRunner(model, self.cache, self.kernels, max_model_len) if why_not is None else None
+        self.qmatmul = None
+        if low_bit is not None and why_not is None and self.device.type == "cpu":
+            from engine_proc.kernels import QMatmul
+
+            self.qmatmul = QMatmul(param.dtype, torch.get_num_threads())
+        self.runner = LlamaRunner(model, self.cache, self.kernels, max_model_len, low_bit=low_bit,
+                                  qmatmul=self.qmatmul) if why_not is None else None
         self.model_runner = "tickserve llama" if self.runner else "transformers"
         self.threads = threads if self.device.type == "cpu" else None
         if self.threads is not None:
-            self.threads.kernels = self.kernels
+            self.threads.kernels = [self.kernels, self.qmatmul]
         self.pairs_per_token = pairs_per_token(model, heads, head_dim)
+        if self.runner is not None and self.qmatmul is not None:
+            from engine_proc.backends.linear import measure_crossover
+
+            self.runner.plan.quantized_below = measure_crossover(self.runner.layers[0].gate_up, param.dtype)
+        self.weights_precision = f"{low_bit.summary} ({low_bit.kind})" if self.qmatmul is not None else ""
+        self.matmul_plan = self._describe_matmul()
         rope_rows = self.runner.cos_sin.shape[0] if self.runner is not None else max_model_len
         self.limits = KernelLimits(block_pool.num_blocks, self.block_size, rope_rows, self.device)
         if self.runner is not None:
@@ -151,6 +166,15 @@ class PagedBackend(Backend):
                                                                  self.threads)
         self._rows: dict[str, _Row] = {}
         self._decode: list[str] = []  # decode batch order
+
+    def _describe_matmul(self) -> str:
+        """The runtime record's ``matmul``: which kernel a pass of how many rows takes."""
+        dense = "oneDNN" if self.runner is not None and self.runner.packed else "torch"
+        if self.qmatmul is None:
+            return dense
+        below = self.runner.plan.quantized_below
+        low = f"low-bit {self.qmatmul.isa}"
+        return f"{low} (every pass)" if below >= 1 << 30 else f"{low} below {below} rows, {dense} above"
 
     @property
     def _reads_block_tails(self) -> bool:

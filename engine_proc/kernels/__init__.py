@@ -139,6 +139,37 @@ class CKernels(TorchKernels):
         return out
 
 
+class QMatmul:
+    """``qmatmul.c`` compiled for this CPU and one activation dtype: ``y = x · Wᵀ (+ b)`` on
+    a :class:`~engine_proc.quant.PackedWeight` (Q4 / Q8 tiles), never de-quantized.
+
+    ``num_threads`` is set per pass by :class:`~engine_proc.threads.ThreadPlan` (as for
+    :class:`CKernels`). Raises :class:`KernelsUnavailable` from the constructor when the
+    library cannot be built; ``isa`` names the code path compiled (``avx512vnni``,
+    ``avx2`` or ``generic``)."""
+
+    def __init__(self, dtype: torch.dtype, num_threads: int = 1):
+        from engine_proc.kernels.build import load_qmatmul
+
+        self.lib = load_qmatmul(dtype)
+        self.dtype = dtype
+        self.num_threads = num_threads
+        self.isa = self.lib.qmatmul_isa().decode()
+
+    def __call__(self, w, x: torch.Tensor, bias: torch.Tensor | None = None, out_f32: bool = False) -> torch.Tensor:
+        """``x`` ``[T, in]`` (the compiled dtype, rows contiguous) → ``[T, out]`` in that
+        dtype, or float32 with ``out_f32``; ``bias`` ``[out]`` float32 or ``None``."""
+        if x.dtype != self.dtype or x.stride(-1) != 1 or x.shape[-1] != w.in_features:
+            raise ValueError(f"qmatmul wants [T, {w.in_features}] {self.dtype} rows, got {tuple(x.shape)} {x.dtype}")
+        t = x.shape[0]
+        y = torch.empty(t, w.out_features, dtype=torch.float32 if out_f32 else self.dtype)
+        if t and self.lib.qmatmul(int(w.fmt), _ptr(w.data), w.out_features, w.in_features, _ptr(x), x.stride(0), t,
+                                  _ptr(bias) if bias is not None else None, _ptr(y), y.stride(0), int(out_f32),
+                                  self.num_threads):
+            raise MemoryError("qmatmul: no scratch memory")
+        return y
+
+
 def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int, group: int, block_size: int,
                    prefer: str = "auto") -> TorchKernels:
     """C kernels on a CPU where they build (``prefer`` ``auto`` or ``c``), else torch ops.

@@ -27,7 +27,7 @@ from shared.native_build import BuildFailed, cached_library, compiler, entry_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KernelShape", "KernelsUnavailable", "build", "compiler", "load"]
+__all__ = ["KernelShape", "KernelsUnavailable", "build", "compiler", "load", "load_qmatmul"]
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
@@ -85,20 +85,50 @@ SIGNATURES = {
 }
 
 
+QMATMUL_SOURCE = Path(__file__).with_name("qmatmul.c")
+QMATMUL_SIGNATURES = {
+    "qmatmul": ([_I, _P, _I, _I, _P, _I64, _I, _P, _P, _I64, _I, _I], _I),
+    "qmatmul_isa": ([], ctypes.c_char_p),
+}
+
+
 def load(shape: KernelShape) -> ctypes.CDLL:
     """Build (if needed) and load the library for ``shape``; its functions carry their
     argument types. A library that passed the cache's checks but still does not load is
     rebuilt once. Raises :class:`KernelsUnavailable`."""
+    return _load(lambda: build(shape), {name: (args, None) for name, args in SIGNATURES.items()})
+
+
+def load_qmatmul(dtype: torch.dtype) -> ctypes.CDLL:
+    """Build (if needed) and load ``qmatmul.c`` for activations of ``dtype`` (the low-bit
+    matmul of :class:`~engine_proc.kernels.QMatmul`). Raises :class:`KernelsUnavailable`."""
+    if dtype not in DTYPES:
+        raise KernelsUnavailable(f"no low-bit matmul for {dtype} activations (float32 and bfloat16 only)")
+    if platform.system() != "Linux":
+        raise KernelsUnavailable(f"C kernels are built on Linux only, not {platform.system()}")
+    flags = CFLAGS + (f"-DSCALAR_BF16={DTYPES[dtype]}",)
+
+    def build_qmatmul() -> Path:
+        try:
+            return cached_library("qmatmul", QMATMUL_SOURCE.read_bytes(), flags, tuple(QMATMUL_SIGNATURES),
+                                  lambda cc, clang, src, out: [cc, *flags, src, "-o", out, "-lm"])
+        except BuildFailed as exc:
+            raise KernelsUnavailable(str(exc)) from None
+
+    return _load(build_qmatmul, QMATMUL_SIGNATURES)
+
+
+def _load(build_library, signatures: dict) -> ctypes.CDLL:
     for attempt in range(2):
-        path = build(shape)
+        path = build_library()
         try:
             if entry_of(path).get("clang"):
                 os.environ.setdefault("KMP_BLOCKTIME", "0")  # LLVM's OpenMP threads: sleep when idle
             lib = ctypes.CDLL(str(path))
-            for name, argtypes in SIGNATURES.items():
+            for name, (argtypes, restype) in signatures.items():
                 fn = getattr(lib, name)
                 fn.argtypes = argtypes
-                fn.restype = None
+                fn.restype = restype
             return lib
         except (OSError, AttributeError, ValueError) as exc:
             if attempt:

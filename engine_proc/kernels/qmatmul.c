@@ -1,0 +1,406 @@
+/* tickserve's low-bit matmul: y = x · Wᵀ (+ bias) with W in 4-bit or 8-bit blocks of 32
+ * weights along the input dimension, as GGUF's Q4_0 / Q4_1 / Q8_0 hold them, computed on
+ * the quantized weights themselves (never de-quantized to memory).
+ *
+ * Compiled at run time by engine_proc/kernels/build.py like cpu_kernels.c, once per
+ * activation dtype (-DSCALAR_BF16=0|1), with -march=native: AVX-512 VNNI where the CPU
+ * has it, AVX2 otherwise, portable C elsewhere (one packed layout for all three).
+ *
+ * Arithmetic (the scheme of llama.cpp's CPU backend, ggml-quants.c: "vec_dot_q4_1_q8_1"):
+ * each row of x is quantized on the fly, per 16 inputs (half a weight block), to int8
+ * with a float scale (da = max|x| / 127, qa = round(x / da)), so a block's dot product is
+ * two integer dot products and three float multiply-adds:
+ *
+ *     Q4 block  w = dw·qw + mw,  qw ∈ [0, 15]:   Σ w·x ≈ dw·Σ_h da_h·Σ_h qw·qa + mw·Σ_h da_h·Σ_h qa
+ *     Q8 block  w = dw·qw,       qw ∈ [-127, 127]: Σ w·x ≈ dw·Σ_h da_h·Σ_h qw·qa
+ *
+ * Q4_0 (w = d·(q − 8)) is the Q4 form with mw = −8·dw, exactly (a power of two).
+ * The integer products use vpdpbusd (u8 × s8 → s32, four products a lane): Q4's nibbles
+ * are the unsigned operand as they are; Q8's signed weights are made unsigned by adding
+ * 128 (an xor of the sign bit) and the extra 128·Σ qa is taken off with the scale.
+ *
+ * Packed layout ("tiles"): the weight's N output rows in tiles of 16 (one vector lane
+ * each), each tile holding its K/32 blocks one after another; one tile-block is
+ *
+ *     Q4 (320 bytes): 256 bytes of nibbles, byte 64·v + 4·n + j (v < 4, n < 16, j < 4)
+ *                     holding qw[n][4v + j] in its low nibble and qw[n][16 + 4v + j] in
+ *                     its high one; then dw[16] and mw[16] as float16
+ *     Q8 (544 bytes): 512 bytes, byte 64·v + 4·n + j (v < 8) = qw[n][4v + j] as int8;
+ *                     then dw[16] as float16
+ *
+ * so one 64-byte load is the weights of 16 rows × 4 inputs: vpdpbusd's operand, with one
+ * broadcast dword of qa. engine_proc/quant.py packs and unpacks this layout.
+ *
+ * Threads: the tiles are split across `nthreads` (OpenMP, torch's runtime, as in
+ * cpu_kernels.c); each thread runs every row of x over its tiles, MR rows at a time, so
+ * a tile's weights are unpacked once per MR rows and read from memory once per call.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if SCALAR_BF16
+typedef uint16_t scalar_t;
+#else
+typedef float scalar_t;
+#endif
+
+static inline float load_scalar(scalar_t x) {
+#if SCALAR_BF16
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#else
+    return x;
+#endif
+}
+
+static inline scalar_t store_scalar(float f) {
+#if SCALAR_BF16
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (scalar_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (scalar_t)(u >> 16);
+#else
+    return f;
+#endif
+}
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, u;
+    if (exp == 0) {
+        if (mant == 0) {
+            u = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400u)) {
+                mant <<= 1;
+                exp--;
+            }
+            u = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (mant << 13);
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#define TILE 16
+#define QB 32
+#define HB 16 /* inputs per activation scale: half a weight block */
+#define Q4_BYTES 320
+#define Q8_BYTES 544
+#define FMT_Q4 0
+#define FMT_Q8 1
+
+/* ------------------------------------------------------------------ activation quantization */
+
+/* Row r of x ([M, K], rows `ldx` apart) → qa[r·K ..] int8 with one scale per 16 inputs,
+ * da[r·2nb + h] (h: the half-block), and sa[r·nb + b] = Σ over the block's two halves of
+ * da · Σ qa. Half-blocks: an outlier costs the precision of 15 neighbours, not 31 (on
+ * SmolLM2 in bfloat16, top-1 agreement with the de-quantized weights 0.94 → 0.95). */
+static void quantize_rows(const scalar_t *x, int64_t ldx, int M, int K, int8_t *qa, float *da, float *sa) {
+    const int nb = K / QB;
+    for (int r = 0; r < M; r++) {
+        const scalar_t *xr = x + (int64_t)r * ldx;
+        for (int b = 0; b < nb; b++) {
+            float block_sum = 0.0f;
+            for (int h = 0; h < 2; h++) {
+                const int at = b * QB + h * HB;
+                float v[HB], amax = 0.0f;
+                for (int i = 0; i < HB; i++) {
+                    v[i] = load_scalar(xr[at + i]);
+                    const float a = fabsf(v[i]);
+                    amax = a > amax ? a : amax;
+                }
+                const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+                int sum = 0;
+                int8_t *q = qa + (int64_t)r * K + at;
+                for (int i = 0; i < HB; i++) {
+                    const int qi = (int)nearbyintf(v[i] * id);
+                    q[i] = (int8_t)(qi > 127 ? 127 : qi < -127 ? -127 : qi);
+                    sum += q[i];
+                }
+                da[(int64_t)r * 2 * nb + 2 * b + h] = d;
+                block_sum += d * (float)sum;
+            }
+            sa[(int64_t)r * nb + b] = block_sum;
+        }
+    }
+}
+
+static inline void store_tile(float *acc, const float *bias, void *y, int64_t ldy, int r, int n0, int out_f32) {
+    if (bias)
+        for (int n = 0; n < TILE; n++) acc[n] += bias[n0 + n];
+    if (out_f32) {
+        memcpy((float *)y + (int64_t)r * ldy + n0, acc, TILE * sizeof(float));
+    } else {
+        scalar_t *yr = (scalar_t *)y + (int64_t)r * ldy + n0;
+        for (int n = 0; n < TILE; n++) yr[n] = store_scalar(acc[n]);
+    }
+}
+
+/* ------------------------------------------------------------------ AVX-512 VNNI */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define ISA "avx512vnni"
+#define MR 8
+
+/* One tile over `rows` (≤ MR, a constant after inlining) rows of quantized x. */
+static inline __attribute__((always_inline)) void tile_rows(int fmt, const uint8_t *w, int nb, const int8_t *qa,
+                                                            const float *da, const float *sa, int K, int rows,
+                                                            __m512 *acc) {
+    const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    const int step = fmt == FMT_Q4 ? Q4_BYTES : Q8_BYTES;
+    for (int b = 0; b < nb; b++, w += step) {
+        __m512i lo_dot[MR], hi_dot[MR]; /* inputs 0-15 and 16-31 of the block: one activation scale each */
+        for (int r = 0; r < rows; r++) lo_dot[r] = hi_dot[r] = _mm512_setzero_si512();
+        if (fmt == FMT_Q4) {
+            for (int v = 0; v < 4; v++) {
+                const __m512i raw = _mm512_loadu_si512(w + 64 * v);
+                const __m512i lo = _mm512_and_si512(raw, low);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *q = qa + (int64_t)r * K + b * QB;
+                    int32_t a_lo, a_hi;
+                    memcpy(&a_lo, q + 4 * v, 4);
+                    memcpy(&a_hi, q + 16 + 4 * v, 4);
+                    lo_dot[r] = _mm512_dpbusd_epi32(lo_dot[r], lo, _mm512_set1_epi32(a_lo));
+                    hi_dot[r] = _mm512_dpbusd_epi32(hi_dot[r], hi, _mm512_set1_epi32(a_hi));
+                }
+            }
+        } else {
+            for (int v = 0; v < 8; v++) {
+                const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(w + 64 * v), flip); /* q + 128 */
+                for (int r = 0; r < rows; r++) {
+                    int32_t a;
+                    memcpy(&a, qa + (int64_t)r * K + b * QB + 4 * v, 4);
+                    if (v < 4)
+                        lo_dot[r] = _mm512_dpbusd_epi32(lo_dot[r], u, _mm512_set1_epi32(a));
+                    else
+                        hi_dot[r] = _mm512_dpbusd_epi32(hi_dot[r], u, _mm512_set1_epi32(a));
+                }
+            }
+        }
+        const int off = fmt == FMT_Q4 ? 256 : 512;
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + off)));
+        const __m512 mw = fmt == FMT_Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + off + 32)))
+                                        : _mm512_mul_ps(dw, _mm512_set1_ps(-128.0f));
+        for (int r = 0; r < rows; r++) {
+            const float *d = da + (int64_t)r * 2 * nb + 2 * b;
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_dot[r]), _mm512_mul_ps(dw, _mm512_set1_ps(d[0])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_dot[r]), _mm512_mul_ps(dw, _mm512_set1_ps(d[1])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sa[(int64_t)r * nb + b]), acc[r]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_block(int fmt, const uint8_t *w, int nb, const int8_t *qa,
+                                                             const float *da, const float *sa, int K, int rows,
+                                                             const float *bias, void *y, int64_t ldy, int n0,
+                                                             int out_f32) {
+    __m512 acc[MR];
+    tile_rows(fmt, w, nb, qa, da, sa, K, rows, acc);
+    for (int r = 0; r < rows; r++) {
+        float out[TILE];
+        _mm512_storeu_ps(out, acc[r]);
+        store_tile(out, bias, y, ldy, r, n0, out_f32);
+    }
+}
+
+/* ------------------------------------------------------------------ AVX2 */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define ISA "avx2"
+#define MR 2
+
+/* u8 × s8 → s32 lanes, four products each; |u| ≤ 127 keeps vpmaddubsw's s16 pairs exact. */
+static inline __m256i dot4(__m256i acc, __m256i u, __m256i a) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
+}
+
+static inline __attribute__((always_inline)) void tile_block(int fmt, const uint8_t *w, int nb, const int8_t *qa,
+                                                             const float *da, const float *sa, int K, int rows,
+                                                             const float *bias, void *y, int64_t ldy, int n0,
+                                                             int out_f32) {
+    __m256 acc[MR][2];
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const int step = fmt == FMT_Q4 ? Q4_BYTES : Q8_BYTES;
+    for (int b = 0; b < nb; b++, w += step) {
+        __m256i dot[MR][2][2]; /* [row][tile rows 0-7 | 8-15][inputs 0-15 | 16-31] */
+        for (int r = 0; r < rows; r++) dot[r][0][0] = dot[r][0][1] = dot[r][1][0] = dot[r][1][1] = _mm256_setzero_si256();
+        if (fmt == FMT_Q4) {
+            for (int v = 0; v < 4; v++) {
+                for (int h = 0; h < 2; h++) { /* rows 0-7, 8-15 of the tile */
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 64 * v + 32 * h));
+                    const __m256i lo = _mm256_and_si256(raw, low);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                    for (int r = 0; r < rows; r++) {
+                        const int8_t *q = qa + (int64_t)r * K + b * QB;
+                        int32_t a_lo, a_hi;
+                        memcpy(&a_lo, q + 4 * v, 4);
+                        memcpy(&a_hi, q + 16 + 4 * v, 4);
+                        dot[r][h][0] = dot4(dot[r][h][0], lo, _mm256_set1_epi32(a_lo));
+                        dot[r][h][1] = dot4(dot[r][h][1], hi, _mm256_set1_epi32(a_hi));
+                    }
+                }
+            }
+        } else { /* signed weights: |w| as the unsigned operand, w's sign moved onto x */
+            for (int v = 0; v < 8; v++) {
+                for (int h = 0; h < 2; h++) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 64 * v + 32 * h));
+                    const __m256i u = _mm256_sign_epi8(q, q);
+                    for (int r = 0; r < rows; r++) {
+                        int32_t a;
+                        memcpy(&a, qa + (int64_t)r * K + b * QB + 4 * v, 4);
+                        dot[r][h][v >= 4] = dot4(dot[r][h][v >= 4], u, _mm256_sign_epi8(_mm256_set1_epi32(a), q));
+                    }
+                }
+            }
+        }
+        const int off = fmt == FMT_Q4 ? 256 : 512;
+        for (int h = 0; h < 2; h++) {
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + off + 16 * h)));
+            const __m256 mw = fmt == FMT_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + off + 32 + 16 * h)))
+                                            : _mm256_setzero_ps();
+            for (int r = 0; r < rows; r++) {
+                const float *d = da + (int64_t)r * 2 * nb + 2 * b;
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h][0]), _mm256_mul_ps(dw, _mm256_set1_ps(d[0])),
+                                            acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h][1]), _mm256_mul_ps(dw, _mm256_set1_ps(d[1])),
+                                            acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sa[(int64_t)r * nb + b]), acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float out[TILE];
+        _mm256_storeu_ps(out, acc[r][0]);
+        _mm256_storeu_ps(out + 8, acc[r][1]);
+        store_tile(out, bias, y, ldy, r, n0, out_f32);
+    }
+}
+
+/* ------------------------------------------------------------------ portable C */
+#else
+#define ISA "generic"
+#define MR 4
+
+static inline void tile_block(int fmt, const uint8_t *w, int nb, const int8_t *qa, const float *da, const float *sa,
+                              int K, int rows, const float *bias, void *y, int64_t ldy, int n0, int out_f32) {
+    float acc[MR][TILE];
+    memset(acc, 0, sizeof acc);
+    const int step = fmt == FMT_Q4 ? Q4_BYTES : Q8_BYTES;
+    for (int b = 0; b < nb; b++, w += step) {
+        const int off = fmt == FMT_Q4 ? 256 : 512;
+        float dw[TILE], mw[TILE];
+        for (int n = 0; n < TILE; n++) {
+            uint16_t h;
+            memcpy(&h, w + off + 2 * n, 2);
+            dw[n] = half_to_float(h);
+            if (fmt == FMT_Q4) {
+                memcpy(&h, w + off + 32 + 2 * n, 2);
+                mw[n] = half_to_float(h);
+            } else {
+                mw[n] = 0.0f;
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const int8_t *q = qa + (int64_t)r * K + b * QB;
+            for (int n = 0; n < TILE; n++) {
+                int32_t dot[2] = {0, 0};
+                for (int k = 0; k < QB; k++) {
+                    int qw;
+                    if (fmt == FMT_Q4) {
+                        const int v = (k % 16) / 4, j = k % 4;
+                        const uint8_t byte = w[64 * v + 4 * n + j];
+                        qw = k < 16 ? (byte & 0x0f) : (byte >> 4);
+                    } else {
+                        qw = (int8_t)w[64 * (k / 4) + 4 * n + k % 4];
+                    }
+                    dot[k / HB] += qw * q[k];
+                }
+                const float *d = da + (int64_t)r * 2 * nb + 2 * b;
+                acc[r][n] += dw[n] * (d[0] * (float)dot[0] + d[1] * (float)dot[1]) + mw[n] * sa[(int64_t)r * nb + b];
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) store_tile(acc[r], bias, y, ldy, r, n0, out_f32);
+}
+#endif
+
+/* ------------------------------------------------------------------ entry points */
+
+static void run_tiles(int fmt, const uint8_t *w, int t0, int t1, int nb, const int8_t *qa, const float *da,
+                      const float *sa, int M, int K, const float *bias, void *y, int64_t ldy, int out_f32) {
+    const int step = fmt == FMT_Q4 ? Q4_BYTES : Q8_BYTES;
+    const size_t esz = out_f32 ? sizeof(float) : sizeof(scalar_t);
+    for (int t = t0; t < t1; t++) {
+        const uint8_t *wt = w + (int64_t)t * nb * step;
+        for (int r0 = 0; r0 < M; r0 += MR) {
+            const int rows = M - r0 < MR ? M - r0 : MR;
+            const int8_t *q = qa + (int64_t)r0 * K;
+            const float *d = da + (int64_t)r0 * 2 * nb, *s = sa + (int64_t)r0 * nb;
+            char *yr = (char *)y + (size_t)r0 * ldy * esz;
+            switch (rows) { /* a constant row count for each inlined copy: its loops unroll */
+#define ROWS(n) \
+    case n: tile_block(fmt, wt, nb, q, d, s, K, n, bias, yr, ldy, t * TILE, out_f32); break;
+                ROWS(1)
+#if MR >= 2
+                ROWS(2)
+#endif
+#if MR >= 4
+                ROWS(3)
+                ROWS(4)
+#endif
+#if MR >= 8
+                ROWS(5)
+                ROWS(6)
+                ROWS(7)
+                ROWS(8)
+#endif
+#undef ROWS
+            }
+        }
+    }
+}
+
+/* y[M, N] = x[M, K] · Wᵀ + bias for W packed as `fmt` (0: Q4, 1: Q8) tiles (see the top
+ * of this file). x: rows `ldx` elements apart; y: rows `ldy` apart, float32 when
+ * `out_f32` is set, else the compiled dtype; bias: [N] float32 or NULL. N a multiple of
+ * 16, K of 32 (checked by the caller). Returns 0, or -1 when scratch memory ran out. */
+int qmatmul(int fmt, const uint8_t *w, int N, int K, const scalar_t *x, int64_t ldx, int M, const float *bias,
+            void *y, int64_t ldy, int out_f32, int nthreads) {
+    const int nb = K / QB, tiles = N / TILE;
+    int8_t *qa = malloc((size_t)M * K + 3 * sizeof(float) * (size_t)M * nb);
+    if (!qa) return -1;
+    float *da = (float *)(qa + (size_t)M * K), *sa = da + 2 * (size_t)M * nb;
+    quantize_rows(x, ldx, M, K, qa, da, sa);
+    const int64_t work = (int64_t)M * N * K;
+    if (nthreads > 1 && tiles > 1 && work >= (1 << 18)) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            extern int omp_get_thread_num(void), omp_get_num_threads(void);
+            const int id = omp_get_thread_num(), n = omp_get_num_threads();
+            const int t0 = (int)((int64_t)tiles * id / n), t1 = (int)((int64_t)tiles * (id + 1) / n);
+            run_tiles(fmt, w, t0, t1, nb, qa, da, sa, M, K, bias, y, ldy, out_f32);
+        }
+    } else {
+        run_tiles(fmt, w, 0, tiles, nb, qa, da, sa, M, K, bias, y, ldy, out_f32);
+    }
+    free(qa);
+    return 0;
+}
+
+/* Which code path this build takes ("avx512vnni", "avx2" or "generic"). */
+const char *qmatmul_isa(void) { return ISA; }
