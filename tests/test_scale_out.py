@@ -256,8 +256,18 @@ def test_metrics_meet_the_inference_gateway_contract(served):
     resp = stream.__enter__()
     lines = resp.iter_lines()  # kept: a collected iterator closes the response (a client disconnect)
     next(lines)
-    time.sleep(0.6)  # a stats broadcast or two
-    text = httpx.get(f"{base}/metrics", timeout=10).text  # while the stream runs
+
+    def running_of(text: str) -> float:
+        return float(next(line for line in text.splitlines()
+                          if line.startswith("tickserve:num_requests_running ")).split()[-1])
+
+    # while the stream runs: the gauges follow the engines' stats broadcasts (every 0.25 s,
+    # later on a loaded host), so poll until one shows the stream running
+    def scrape_while_running() -> str | None:
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        return text if running_of(text) >= 1 else None
+
+    text = wait_for(scrape_while_running, 15, what="a /metrics scrape with the stream running")
     # cheap to scrape: no round trip to an engine. With every engine stopped (SIGSTOP),
     # 20 scrapes still answer, with the gauges, from the last broadcasts
     engines = children_running(proc.popen.pid, "engine_proc")
@@ -280,8 +290,7 @@ def test_metrics_meet_the_inference_gateway_contract(served):
         assert len(own) == 1 and own[0].startswith(name + " "), own  # one series, no labels
     usage = float(next(line for line in series if line.startswith("tickserve:kv_cache_usage_perc ")).split()[-1])
     assert 0.0 < usage <= 1.0, [line for line in series if line.startswith(("tickserve:", "tickserve_engine", "tickserve_requests_finished"))]
-    running = float(next(line for line in series if line.startswith("tickserve:num_requests_running ")).split()[-1])
-    assert running >= 1
+    assert running_of(text) >= 1
     info = next(line for line in series if line.startswith("tickserve:cache_config_info{"))
     assert 'block_size="16"' in info and re.search(r'num_gpu_blocks="\d+"', info)
     assert httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
