@@ -32,6 +32,7 @@ import torch
 import zmq
 
 from engine_proc.factory import build_scheduler, configure_torch, load_model, warm_up
+from engine_proc.gates import capacity_problems
 from engine_proc.io_loop import IOLoop
 from engine_proc.request import Request
 from engine_proc.runtime_info import runtime_info
@@ -181,6 +182,10 @@ def start_engine(config: cfg.EngineConfig) -> "EngineServer":
         configure_torch(config)
         model, model_dir = load_model(config)
         scheduler = build_scheduler(config, model)
+        problems = capacity_problems(config, scheduler.limits.max_model_len,
+                                     None if config.kv_num_blocks else scheduler.limits.num_blocks)
+        if problems:
+            raise ConfigurationError("; ".join(problems))
         warm_up(scheduler)
         return EngineServer(config, scheduler, runtime_info(config, scheduler, str(model_dir)))
     except (ModelNotFound, startup_faults.StartupFault, NotImplementedError, KernelsUnavailable, AddressInUse) as exc:

@@ -54,3 +54,23 @@ def never_fits(limits: Limits, prompt_len: int, max_tokens: int) -> RejectReason
             f"request needs {blocks} KV blocks of {limits.block_size} tokens; the pool has "
             f"{limits.num_blocks}, so it can never be admitted", blocks, limits.num_blocks, retryable=False)
     return None
+
+
+def capacity_problems(config: EngineConfig, max_model_len: int, num_blocks: int | None = None) -> list[str]:
+    """Why no request at the full context could ever be admitted with this KV pool, as
+    one-line problems naming the flag and its minimum (empty when it can).
+
+    ``max_model_len``: the effective context window in tokens (the flag capped by the
+    model's own); ``num_blocks``: the pool's blocks after the memory cap (default: the
+    configured ``kv_num_blocks``, whose 0 means "derived" and is not checked). The rule is
+    vLLM's: the pool must hold one sequence of ``max_model_len`` tokens, or every request
+    that omits ``max_tokens`` is refused as "can never be admitted"."""
+    blocks = config.kv_num_blocks if num_blocks is None else num_blocks
+    need = -(-max_model_len // config.kv_block_size)
+    if blocks <= 0 or blocks >= need:
+        return []
+    where = f"--kv-num-blocks {blocks}" if num_blocks is None else \
+        f"the KV pool that fits in --kv-memory-fraction {config.kv_memory_fraction} ({blocks} blocks)"
+    return [f"{where} holds {blocks * config.kv_block_size} "
+            f"tokens, less than one request at the full context (--max-model-len {max_model_len}): "
+            f"it needs at least {need} blocks of {config.kv_block_size} tokens, or a smaller --max-model-len"]

@@ -14,6 +14,7 @@ Hugging Face directory or a .gguf file; without it, the embedded SmolLM2-135M-In
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -73,8 +74,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StartupFault as fault:
         return report("tickserve", fault)
     from engine_proc.engine import device_problems  # loads torch: after the checks that need none
+    from engine_proc.gates import capacity_problems
 
-    problems = device_problems(engine)
+    problems = device_problems(engine) + capacity_problems(engine, _context_length(engine, model_dir))
     if problems:
         print("tickserve: " + "; ".join(problems), file=sys.stderr)
         return 2
@@ -107,6 +109,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"({parts}engine sockets in {', '.join(engine_dirs)}; "
           "Ctrl-C drains and stops)", flush=True)
     return Supervisor(engines, frontends, http_sock, run_dir, own, metrics_dir).run()
+
+
+def _context_length(engine: cfg.EngineConfig, model_dir: str) -> int:
+    """``--max-model-len`` capped by the model's own context (its config.json), in tokens."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as fh:
+            own = int(json.load(fh).get("max_position_embeddings") or engine.max_model_len)
+    except (OSError, ValueError, TypeError, AttributeError):
+        own = engine.max_model_len
+    return min(engine.max_model_len, own)
 
 
 def _auto_engines(engine: cfg.EngineConfig, model_dir: str, by_address: bool) -> int:
