@@ -1,5 +1,4 @@
-import sys
-
 from engine_proc.engine import main
+from shared.process_config import exit_now
 
-sys.exit(main())
+exit_now(main())

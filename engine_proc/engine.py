@@ -213,6 +213,8 @@ def run_engine(config: cfg.EngineConfig) -> int:
                  config.drain_timeout_s)
         server.begin_drain()
         drain_deadline.append(time.monotonic() + config.drain_timeout_s)
+        if server.idle:  # nothing to finish: stop now, not at the next poll
+            server.stop()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

@@ -35,6 +35,7 @@ import logging
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -44,6 +45,8 @@ from frontend.context import Frontend
 from frontend.cors import cors_middleware
 from frontend.engine_set import EngineSet
 from frontend.http_errors import ClientGone, HTTPError
+from frontend.request_log import RequestLog
+from frontend.stats_log import StatsLog
 from frontend.serving_chat import ChatServing
 from frontend.serving_completions import CompletionsServing
 from frontend.serving_models import ModelsServing
@@ -91,12 +94,18 @@ def create_app(config: FrontendConfig, tokenizer, model_name: str,
     client = client or EngineSet(config)
     frontend = Frontend(config, tokenizer, client, model_name)
 
+    hub = dashboard.make_hub(frontend)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         client.start(asyncio.get_running_loop())  # /health is 503 until the handshake completes
+        stats_task = None if config.disable_log_stats else \
+            asyncio.get_running_loop().create_task(StatsLog(hub.current).run(config.log_stats_interval_s))
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             client.close()
 
     models, tokens, status = ModelsServing(frontend), TokenizeServing(frontend), StatusServing(frontend)
@@ -111,9 +120,10 @@ def create_app(config: FrontendConfig, tokenizer, model_name: str,
         Route("/version", status.version, methods=["GET"]),
         Route("/scheduler/stats", _wrap(status.scheduler_stats, frontend), methods=["GET"]),
         Route("/metrics", _wrap(status.prometheus, frontend), methods=["GET"]),
-        *dashboard.routes(frontend, dashboard.make_hub(frontend)),
+        *dashboard.routes(frontend, hub),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_exception},
-                    middleware=cors_middleware(config.allowed_origins))
+                    middleware=[Middleware(RequestLog, enabled=config.log_requests),
+                                *cors_middleware(config.allowed_origins)])
     app.state.frontend = frontend
     return app

@@ -225,10 +225,13 @@ class EngineClient(SenderThread):
     def _receive_once(self, state: dict) -> None:
         now = time.monotonic()
         if not self._up.is_set() and now >= state["next_wait_log"]:
-            log.warning("waiting for an engine at %s", self._where())
+            # a start waits for the engine's load and warm-up: news, not a problem; an engine
+            # that was up and is gone is one (every request meanwhile is a 503 with its own line)
+            (log.warning if state.get("was_up") else log.info)("waiting for an engine at %s", self._where())
             state["next_wait_log"] = now + 10.0
         elif self._up.is_set():
             state["next_wait_log"] = now + 5.0
+            state["was_up"] = True
         if not self.channel.connected:  # shared memory: (re)connect to the run directory's socket
             if now >= state["next_connect"]:
                 state["next_connect"] = now + 0.1

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import msgspec
 from starlette.requests import Request
 
+from frontend import request_log
 from frontend.context import Frontend
 from frontend.text_stream import TextStream
 from frontend.engine_client import EngineUnavailable, Rejected, RequestStream
@@ -78,6 +79,7 @@ async def start_choices(fe: Frontend, request: Request, body, plans: list[tuple[
                 choices.append(ChoiceState(len(choices), rid, pi, stream, text, include_stop,
                                            frozenset(params.stop_token_ids), timer=RequestTimer(fe.metrics)))
             fe.metrics.prompt_tokens.inc(len(prompt.token_ids))
+        request_log.attach(request, choices, sum(len(prompt.token_ids) for prompt, _ in plans))
     except Rejected as exc:
         fe.metrics.rejected.labels(exc.reason.code.value).inc()
         abort(fe, choices)

@@ -135,11 +135,12 @@ def _kv_usage(live: list[dict]) -> float:
 class RequestTimer:
     """Per-choice timestamps feeding :class:`FrontendMetrics` (monotonic seconds)."""
 
-    __slots__ = ("metrics", "start", "last")
+    __slots__ = ("metrics", "start", "first", "last")
 
     def __init__(self, metrics: FrontendMetrics) -> None:
         self.metrics = metrics
         self.start = time.monotonic()
+        self.first: float | None = None  # the first token's arrival
         self.last: float | None = None
 
     def tokens(self, n: int) -> None:
@@ -147,6 +148,7 @@ class RequestTimer:
             return
         now = time.monotonic()
         if self.last is None:
+            self.first = now
             self.metrics.ttft.observe(now - self.start)
         else:
             self.metrics.itl.observe(now - self.last)

@@ -20,7 +20,10 @@ class StatusServing(Serving):
             return JSONResponse({"status": "draining"}, status_code=503)
         if not self.fe.client.is_up:
             return JSONResponse({"status": "engine unavailable"}, status_code=503)
-        return JSONResponse({"status": "ok", "engine_id": self.fe.client.engine_id})
+        members = getattr(self.fe.client, "members", None) or []
+        return JSONResponse({"status": "ok", "engine_id": self.fe.client.engine_id,
+                             "num_engines": max(1, len(members)),
+                             "num_engines_up": sum(1 for m in members if m.up) if members else 1})
 
     async def version(self, request: Request) -> Response:
         client = self.fe.client

@@ -100,13 +100,24 @@ class StatsHub:
                 ids.append(eid)
         return statuses
 
+    def current(self) -> dict | None:
+        """The latest stats of the engines that are up (several engines' merged), or ``None``."""
+        statuses = self._statuses()
+        fresh = [s for s in self._fresh(statuses) if s is not None]
+        if len(statuses) == 1 or not fresh:
+            return fresh[0] if fresh else None
+        return self.merge(fresh) if self.merge else fresh[0]
+
+    def _fresh(self, statuses: list) -> list[dict | None]:
+        return [latest if up and latest is not None and latest.get("engine_id") == eid else None
+                for (up, eid), latest in zip(statuses, self.latest_by)]
+
     def frame(self) -> str:
         """The current event, encoded once per (publication, engine state)."""
         statuses = self._statuses()
         key = (self.version, tuple(statuses), self.restarts)
         if key != self._frame_key:
-            fresh = [latest if up and latest is not None and latest.get("engine_id") == eid else None
-                     for (up, eid), latest in zip(statuses, self.latest_by)]
+            fresh = self._fresh(statuses)
             if len(statuses) == 1:
                 up, engine_id = statuses[0]
                 payload = {"engine": {"up": bool(up), "engine_id": engine_id, "restarts": self.restarts},

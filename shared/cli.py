@@ -101,14 +101,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     metrics_dir = make_marked_dir(run_dir, "metrics-", "prometheus multiprocess")
     frontends = [cfg.build(cfg.FrontendConfig, args, environ, model=model_dir, served_model_name=name,
                            http_fd=http_sock.fileno(),
-                           **({"run_dir": run_dir} if dp == 1 else {"run_dir": "", "engine": ",".join(engine_dirs)}))
-                 for _ in range(serve.api_server_count)]
+                           **({"run_dir": run_dir} if dp == 1 else {"run_dir": "", "engine": ",".join(engine_dirs)}),
+                           **({"disable_log_stats": True} if i else {}))  # one stats line, from frontend 0
+                 for i in range(serve.api_server_count)]
     parts = (f"{serve.api_server_count} frontends, " if serve.api_server_count > 1 else "") + \
             (f"{dp} engines, " if dp > 1 else "")
     print(f"tickserve: starting {name} on http://{frontend_probe.host}:{frontend_probe.port} "
           f"({parts}engine sockets in {', '.join(engine_dirs)}; "
           "Ctrl-C drains and stops)", flush=True)
-    return Supervisor(engines, frontends, http_sock, run_dir, own, metrics_dir).run()
+    code = Supervisor(engines, frontends, http_sock, run_dir, own, metrics_dir,
+                      announce=(frontend_probe.host, frontend_probe.port)).run()
+    from shared.process_config import exit_now
+
+    exit_now(code)  # the children are gone and the run directory with them: skip torch's teardown
 
 
 def _context_length(engine: cfg.EngineConfig, model_dir: str) -> int:

@@ -199,6 +199,10 @@ class FrontendConfig:
     ack_timeout_s: float = _opt(10.0, "wait for the engine's submit ack at most this long, seconds")
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for in-flight requests, seconds")
     log_level: str = _opt("info", "debug | info | warning | error")
+    disable_log_requests: bool = _opt(False, "no log line per request (method, path, status, tokens, TTFT, latency, request id)")
+    disable_uvicorn_access_log: bool = _opt(False, "vLLM's flag, accepted: the same as --disable-log-requests (the request line is the access log)")
+    disable_log_stats: bool = _opt(False, "no periodic stats line (running, waiting, KV usage, tokens/s) while there is work")
+    log_stats_interval_s: float = _opt(10.0, "period of the stats line while there is work, seconds")
 
     @property
     def resolved_input_addr(self) -> str:
@@ -207,6 +211,10 @@ class FrontendConfig:
     @property
     def resolved_output_addr(self) -> str:
         return self.output_addr or f"ipc://{os.path.join(self.run_dir, 'output.sock')}"
+
+    @property
+    def log_requests(self) -> bool:
+        return not (self.disable_log_requests or self.disable_uvicorn_access_log)
 
     def problems(self) -> list[str]:
         """Settings that can never work; the frontend refuses to start with any."""
@@ -218,7 +226,7 @@ class FrontendConfig:
         for name in ("max_body_bytes", "max_connections_per_client", "max_request_work"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be at least 1")
-        for name in ("header_timeout_s", "body_timeout_s", "engine_timeout_s", "ack_timeout_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "engine_timeout_s", "ack_timeout_s", "log_stats_interval_s"):
             if not getattr(self, name) > 0:
                 out.append(f"{name} must be > 0")
         if not self.drain_timeout_s >= 0:
@@ -326,7 +334,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
             continue
         help_ = f"{f.metadata.get('help', '')} [env {env_name(f.name)}, default {f.default!r}]"
         tp = hints[f.name]
-        parser.add_argument(flag, dest=f.name, type=boolean if tp is bool else tp, default=None, help=help_)
+        if tp is bool:  # a bare --flag means true, as vLLM's switches; --flag false still works
+            parser.add_argument(flag, dest=f.name, type=boolean, nargs="?", const=True, default=None, help=help_)
+        else:
+            parser.add_argument(flag, dest=f.name, type=tp, default=None, help=help_)
 
 
 def build(cls: type, args: Mapping[str, Any] | argparse.Namespace | None = None,

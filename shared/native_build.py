@@ -263,12 +263,15 @@ def resolve_native(cc: str) -> str:
 
 
 def cached_library(name: str, source: bytes, flags: Sequence[str], symbols: Sequence[str],
-                   command: Callable[[str, bool, str, str], list[str]], timeout: float = 300) -> Path:
+                   command: Callable[[str, bool, str, str], list[str]], timeout: float = 300,
+                   what: str = "") -> Path:
     """The path of a checked library built from ``source`` with ``flags``, from the cache
     or built now (once per host: other processes wait on the lock, then find it).
 
     ``command(cc, is_clang, source_file, output)`` is the compiler command line.
-    ``symbols``: functions the library must export. Raises :class:`BuildFailed`."""
+    ``symbols``: functions the library must export. ``what``: the INFO line logged before a
+    build (default ``building <name>``); a process that waits for another's build logs
+    one line saying so. A cache hit logs nothing. Raises :class:`BuildFailed`."""
     root = _root()
     key = lookup_key(name, source, flags)
     lib, entry = root / f"{name}-{key}.so", root / f"{name}-{key}.json"
@@ -281,23 +284,29 @@ def cached_library(name: str, source: bytes, flags: Sequence[str], symbols: Sequ
     except OSError as exc:
         raise BuildFailed(f"the kernel cache {root} cannot be written ({exc.strerror or exc})") from None
     with lock:
-        _wait_for(lock, root)
+        _wait_for(lock, root, name)
         problem = _check(lib, entry, symbols) if lib.exists() or entry.exists() else "missing"
         if problem is None:  # another process built it while this one waited
             return lib
         if problem != "missing":
             log.warning("cached kernel library %s %s; rebuilding it", lib, problem)
+        else:
+            log.info("%s", what or f"building {name}")
         _build(name, key, source, symbols, command, lib, entry, timeout)
     return lib
 
 
-def _wait_for(lock, root: Path) -> None:
+def _wait_for(lock, root: Path, name: str) -> None:
     deadline = time.monotonic() + LOCK_WAIT_S
+    told = False
     while True:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
+            if not told:
+                log.info("another process is building %s; waiting for it (once per host)", name)
+                told = True
             if time.monotonic() > deadline:
                 raise BuildFailed(f"another process has held the kernel build lock in {root} "
                                   f"for over {LOCK_WAIT_S:.0f} s") from None

@@ -36,12 +36,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from shared import config as cfg
 from shared.marked_dirs import remove_marked
+from shared.ready_line import announce_when_ready
 from shared.startup_faults import EXIT_CONFIG
 
 log = logging.getLogger("tickserve.serve")
@@ -67,8 +69,12 @@ class Child:
 
 class Supervisor:
     def __init__(self, engines: list[cfg.EngineConfig], frontends: list[cfg.FrontendConfig],
-                 http_sock: socket.socket | None, run_dir: str, own_run_dir: bool, metrics_dir: str | None = None):
+                 http_sock: socket.socket | None, run_dir: str, own_run_dir: bool, metrics_dir: str | None = None,
+                 announce: tuple[str, int] | None = None):
+        """``announce``: ``(host, port)`` to print the ready line for (:mod:`shared.ready_line`)
+        once every engine is warm, or ``None``."""
         self.run_dir, self.own_run_dir, self.metrics_dir = run_dir, own_run_dir, metrics_dir
+        self.announce = announce
         self.http_sock = http_sock
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         share = max(1, len(cpus) // len(engines)) if cpus else 0
@@ -106,6 +112,9 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         for child in self.children:
             self._spawn(child)
+        if self.announce is not None and self.frontends:
+            threading.Thread(target=announce_when_ready, args=(*self.announce, len(self.engines), lambda: self.stopping),
+                             name="ready-line", daemon=True).start()
         while not self.stopping:
             time.sleep(0.1)
             now = time.monotonic()
@@ -146,13 +155,15 @@ class Supervisor:
             live = [c for c in group if c.proc is not None and c.proc.poll() is None]
             for child in live:
                 child.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout
+            started = time.monotonic()
+            deadline = started + timeout
             for child in live:
                 try:
                     child.proc.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     child.proc.kill()
                     child.proc.wait(5)
+                log.debug("%s stopped %.2f s after its SIGTERM", child.name, time.monotonic() - started)
         if self.http_sock is not None:
             self.http_sock.close()
         if self.metrics_dir:

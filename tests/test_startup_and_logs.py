@@ -5,10 +5,13 @@ normal start, and an idle stop in under a second."""
 
 from __future__ import annotations
 
+import re
+import signal
 import subprocess
 import sys
+import time
 
-from tests.procs import REPO, _env, free_port
+from tests.procs import REPO, ProcessGroup, _env, free_port, http_json, wait_for
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -33,3 +36,72 @@ def test_the_engine_alone_refuses_it_too(tiny_model_dir, tmp_path):
                           env=_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 78, done.stderr[-2000:]
     assert "--kv-num-blocks 4 holds 64 tokens" in done.stderr and "at least 8 blocks" in done.stderr
+
+
+def _serve_log_test(tmp_path, tiny_model_dir, *extra: str):
+    """A ``tickserve serve`` at the info level, its output in a file: ``(proc, base, port)``."""
+    port = free_port()
+    group = ProcessGroup(tmp_path)
+    serve = group.spawn(["-m", "shared.cli", "serve", str(tiny_model_dir), "--port", str(port), "--device", "cpu",
+                         "--dtype", "float32", "--torch-threads", "1", "--data-parallel-size", "2",
+                         "--log-stats-interval-s", "0.5", *extra], "serve")
+    return group, serve, f"http://127.0.0.1:{port}", port
+
+
+def test_serve_says_ready_logs_each_request_and_its_work_then_stops_in_under_a_second(tmp_path, tiny_model_dir):
+    group, serve, base, port = _serve_log_test(tmp_path, tiny_model_dir)
+    try:
+        line = f"tickserve ready: http://127.0.0.1:{port} (dashboard http://127.0.0.1:{port}/dashboard)"
+        wait_for(lambda: line in serve.output() or not serve.alive(), 180, what="the ready line")
+        assert serve.alive(), serve.output()[-3000:]
+        before_ready = serve.output().split(line)[0]
+        assert http_json(f"{base}/version")[1]["num_engines_up"] == 2  # printed once both engines are warm
+        status, body, _ = http_json(f"{base}/v1/completions", {"prompt": "Hello there", "max_tokens": 400,
+                                                               "ignore_eos": True, "temperature": 0})
+        assert status == 200
+        usage = body["usage"]
+        assert http_json(f"{base}/v1/completions", {"prompt": "x", "max_tokens": -1})[0] == 400
+        assert http_json(f"{base}/no/such/path")[0] == 404
+        wait_for(lambda: "/no/such/path" in serve.output(), 10, what="the 404's line")
+        out = serve.output()
+        ok = [ln for ln in out.splitlines() if '"POST /v1/completions" 200' in ln]
+        assert len(ok) == 1, out[-3000:]
+        assert f"prompt_tokens={usage['prompt_tokens']} completion_tokens={usage['completion_tokens']}" in ok[0]
+        assert re.search(r"ttft=\d+\.\d{3}s latency=\d+\.\d{3}s request_id=\S+-\d+", ok[0]), ok[0]
+        assert any('"POST /v1/completions" 400' in ln and "completion_tokens=-" in ln for ln in out.splitlines())
+        assert any('"GET /no/such/path" 404' in ln for ln in out.splitlines())
+        # while the 400 tokens ran, a stats line; none before any work
+        stats_lines = [ln for ln in out.splitlines() if "tickserve.stats" in ln]
+        assert stats_lines and all("KV usage:" in ln and "tokens/s" in ln for ln in stats_lines), out[-3000:]
+        assert not [ln for ln in before_ready.splitlines() if "tickserve.stats" in ln]
+        assert "/health" not in before_ready  # the ready line's probes add no line
+        # a normal start warns about nothing
+        assert not [ln for ln in before_ready.splitlines() if " WARNING " in ln or " ERROR " in ln], before_ready
+        # idle again: the stats line stops (one closing line at most), and the stop is quick
+        wait_for(lambda: "running: 0 reqs, waiting: 0 reqs" in serve.output(), 30, what="the closing stats line")
+        time.sleep(1.5)
+        quiet = serve.output()
+        time.sleep(1.5)
+        assert serve.output().count("tickserve.stats") == quiet.count("tickserve.stats")
+        started = time.monotonic()
+        serve.popen.send_signal(signal.SIGTERM)
+        assert serve.popen.wait(30) == 0
+        took = time.monotonic() - started
+        # under a second on an idle 2-core host (it took 4-12 s); a loaded one may be slower
+        assert took < 2.5, f"an idle stop took {took:.2f} s:\n{serve.output()[-3000:]}"
+    finally:
+        group.close()
+
+
+def test_disable_log_requests_turns_the_line_off(tmp_path, tiny_model_dir):
+    group, serve, base, port = _serve_log_test(tmp_path, tiny_model_dir, "--disable-log-requests",
+                                               "--disable-log-stats", "--data-parallel-size", "1")
+    try:
+        wait_for(lambda: "tickserve ready:" in serve.output() or not serve.alive(), 180, what="the ready line")
+        assert http_json(f"{base}/v1/completions", {"prompt": "Hi", "max_tokens": 4})[0] == 200
+        assert http_json(f"{base}/no/such/path")[0] == 404
+        time.sleep(1.0)
+        out = serve.output()
+        assert "tickserve.request" not in out and "tickserve.stats" not in out, out[-2000:]
+    finally:
+        group.close()

@@ -33,6 +33,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
           "-std=gnu11", "-ffp-contract=fast", "-Wall", "-Werror=implicit-function-declaration")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+BUILDING = "building C kernels for this CPU (first start on this host, a few seconds; cached afterwards)"
 
 
 class KernelsUnavailable(RuntimeError):
@@ -67,7 +68,7 @@ def build(shape: KernelShape) -> Path:
     flags = CFLAGS + tuple(shape.defines())
     try:
         return cached_library("cpu_kernels", SOURCE.read_bytes(), flags, tuple(SIGNATURES),
-                              lambda cc, clang, src, out: [cc, *flags, src, "-o", out, "-lm"])
+                              lambda cc, clang, src, out: [cc, *flags, src, "-o", out, "-lm"], what=BUILDING)
     except BuildFailed as exc:
         raise KernelsUnavailable(str(exc)) from None
 
@@ -111,7 +112,8 @@ def load_qmatmul(dtype: torch.dtype) -> ctypes.CDLL:
     def build_qmatmul() -> Path:
         try:
             return cached_library("qmatmul", QMATMUL_SOURCE.read_bytes(), flags, tuple(QMATMUL_SIGNATURES),
-                                  lambda cc, clang, src, out: [cc, *flags, src, "-o", out, "-lm"])
+                                  lambda cc, clang, src, out: [cc, *flags, src, "-o", out, "-lm"],
+                                  what=BUILDING.replace("C kernels", "the C low-bit matmul"))
         except BuildFailed as exc:
             raise KernelsUnavailable(str(exc)) from None
 
