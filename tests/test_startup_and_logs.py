@@ -5,6 +5,7 @@ normal start, and an idle stop in under a second."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -105,3 +106,36 @@ def test_disable_log_requests_turns_the_line_off(tmp_path, tiny_model_dir):
         assert "tickserve.request" not in out and "tickserve.stats" not in out, out[-2000:]
     finally:
         group.close()
+
+
+def test_make_run_s_demo_answer_is_not_cut_by_server_lines(tmp_path, tiny_model_dir):
+    """``tools/run_and_demo.sh`` shows the start-up up to the ready line, then the answer
+    alone (the server's lines wait in its log), then the server's lines again."""
+    port = free_port()
+    log = tmp_path / "server.log"
+    script = subprocess.Popen(["bash", str(REPO / "tools" / "run_and_demo.sh")], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env={**_env(), "PORT": str(port), "HOST": "127.0.0.1", "PY": sys.executable,
+                                   "MODEL": str(tiny_model_dir), "LOG": str(log), "TICKSERVE_DEVICE": "cpu",
+                                   "TICKSERVE_DATA_PARALLEL_SIZE": "1", "TICKSERVE_TORCH_THREADS": "1"})
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        for line in script.stdout:
+            lines.append(line)
+            if line.startswith("the server's output from here on") or time.monotonic() > deadline:
+                break
+        out = "".join(lines)
+        assert "tickserve ready: " in out, out[-3000:]
+        answer = out.split("tickserve ready: ", 1)[1].split("tickserve is serving on", 1)[0]
+        assert "> Write a haiku" in answer and "chunks, time to first token" in answer, out[-3000:]
+        assert not re.search(r"\d\d:\d\d:\d\d,\d{3} \S+ (INFO|WARNING|ERROR|DEBUG)", answer), answer
+        wait_for(lambda: '"POST /v1/chat/completions" 200' in log.read_text(), 30, what="the demo's request line")
+    finally:
+        os.killpg(script.pid, signal.SIGTERM)
+        try:
+            assert script.wait(30) == 0
+        finally:
+            if script.poll() is None:
+                os.killpg(script.pid, signal.SIGKILL)
+                script.wait(5)
