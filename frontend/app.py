@@ -20,7 +20,8 @@ Where each step lives::
     lifecycle.py           submit / ack, the merged token stream, stop strings, abort, disconnect
     render.py              usage, logprobs, SSE
     serving_completions.py, serving_chat.py, serving_models.py, serving_tokenize.py,
-    serving_status.py      one module per endpoint family
+    serving_status.py,
+    serving_root.py        one module per endpoint family
     http_errors.py         every non-2xx answer, in OpenAI's shape
 
 This module builds the app: the routes, authentication, error rendering and CORS.
@@ -50,6 +51,7 @@ from frontend.stats_log import StatsLog
 from frontend.serving_chat import ChatServing
 from frontend.serving_completions import CompletionsServing
 from frontend.serving_models import ModelsServing
+from frontend.serving_root import RootServing
 from frontend.serving_status import StatusServing
 from frontend.serving_tokenize import TokenizeServing
 from shared.config import FrontendConfig
@@ -121,6 +123,7 @@ def create_app(config: FrontendConfig, tokenizer, model_name: str,
         Route("/scheduler/stats", _wrap(status.scheduler_stats, frontend), methods=["GET"]),
         Route("/metrics", _wrap(status.prometheus, frontend), methods=["GET"]),
         *dashboard.routes(frontend, hub),
+        *RootServing(frontend).routes(),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_exception},
                     middleware=[Middleware(RequestLog, enabled=config.log_requests),

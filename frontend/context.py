@@ -3,10 +3,25 @@ metrics, the draining flag, and the engine's limits as its ``Welcome`` said them
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from frontend.detokenizer import token_bytes_of
 from frontend.engine_set import EngineSet
 from frontend.metrics import FrontendMetrics
 from shared.config import FrontendConfig
+
+
+def generation_max_new_tokens(model_dir) -> int | None:
+    """``max_new_tokens`` of ``model_dir/generation_config.json``, or ``None`` when it is
+    absent, unreadable or not a positive integer (``max_length``, which transformers
+    defaults to 20, is not a request's budget and is ignored)."""
+    try:
+        with open(Path(model_dir) / "generation_config.json") as fh:
+            value = json.load(fh).get("max_new_tokens")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 class Frontend:
@@ -21,6 +36,15 @@ class Frontend:
         self.draining = False
         self.vocab_size = len(tokenizer)
         self.token_bytes = token_bytes_of(tokenizer)  # a token id's own bytes, when the tokenizer says
+        # max_tokens of a request without one: --default-max-tokens, else the model's generation
+        # config (set_model_dir), else None: the endpoint's own default
+        self.default_max_tokens: int | None = config.default_max_tokens or None
+
+    def use_generation_config(self, model_dir) -> None:
+        """Without ``--default-max-tokens``, take ``max_new_tokens`` from the model's
+        ``generation_config.json`` (if it sets one) as the default of a request that omits it."""
+        if self.default_max_tokens is None:
+            self.default_max_tokens = generation_max_new_tokens(model_dir)
 
     @property
     def max_model_len(self) -> int:

@@ -50,7 +50,8 @@ def max_tokens(fe: Frontend, body, prompt_len: int, default: int | None) -> int:
                              f"has {prompt_len}", param="messages" if hasattr(body, "messages") else "prompt",
                         code="context_length_exceeded")
     asked = body.max_new_tokens
-    if asked is None:
+    if asked is None:  # request > --default-max-tokens > generation config > the endpoint's default
+        default = getattr(fe, "default_max_tokens", None) or default
         return min(default, limit - prompt_len) if default else limit - prompt_len
     if prompt_len + asked > limit:
         param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"

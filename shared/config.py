@@ -203,6 +203,7 @@ class FrontendConfig:
     disable_uvicorn_access_log: bool = _opt(False, "vLLM's flag, accepted: the same as --disable-log-requests (the request line is the access log)")
     disable_log_stats: bool = _opt(False, "no periodic stats line (running, waiting, KV usage, tokens/s) while there is work")
     log_stats_interval_s: float = _opt(10.0, "period of the stats line while there is work, seconds")
+    default_max_tokens: int = _opt(0, "max_tokens of a request that omits it (completions and chat); 0 → the model's generation_config.json max_new_tokens when it sets one, else the endpoint's own: 16 for /v1/completions (OpenAI's), the rest of the context for chat")
 
     @property
     def resolved_input_addr(self) -> str:
@@ -226,6 +227,8 @@ class FrontendConfig:
         for name in ("max_body_bytes", "max_connections_per_client", "max_request_work"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be at least 1")
+        if self.default_max_tokens < 0:
+            out.append("default_max_tokens must be >= 0 (0: the model's generation config, else the context)")
         for name in ("header_timeout_s", "body_timeout_s", "engine_timeout_s", "ack_timeout_s", "log_stats_interval_s"):
             if not getattr(self, name) > 0:
                 out.append(f"{name} must be > 0")
