@@ -401,6 +401,8 @@ def _logprobs(
         top_vals, top_ids = values.tolist(), ids.tolist()
     for j, i in enumerate(want):
         k = rows[i].params.logprobs
+        if rows[i].grammar is not None:  # alternatives the grammar forbids (-inf) are not alternatives
+            k = min(k, sum(1 for v in top_vals[j][:k] if v != float("-inf")))
         out[i] = TokenLogprob(
             token_id=token_list[i],
             logprob=sampled[j],

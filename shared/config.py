@@ -199,6 +199,9 @@ class FrontendConfig:
     ack_timeout_s: float = _opt(10.0, "wait for the engine's submit ack at most this long, seconds")
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for in-flight requests, seconds")
     log_level: str = _opt("info", "debug | info | warning | error")
+    chat_template: str = _opt("", "a Jinja chat template file used for every chat request instead of the model's (as vLLM's --chat-template); empty → the model's, or the packaged Hermes-style tool template for requests with tools")
+    enable_auto_tool_choice: bool = _opt(False, "allow tool_choice \"auto\": the model decides, and its <tool_call> blocks are parsed (as vLLM's flag)")
+    tool_call_parser: str = _opt("hermes", "how tool calls are read from the model's text: hermes (<tool_call>{...}</tool_call>)")
 
     @property
     def resolved_input_addr(self) -> str:
@@ -211,6 +214,10 @@ class FrontendConfig:
     def problems(self) -> list[str]:
         """Settings that can never work; the frontend refuses to start with any."""
         out = []
+        if self.chat_template and not os.path.isfile(self.chat_template):
+            out.append(f"chat_template {self.chat_template!r} is not a file")
+        if self.tool_call_parser not in ("hermes",):
+            out.append(f"unknown tool_call_parser {self.tool_call_parser!r} (hermes)")
         if not 1 <= self.port <= 65535:
             out.append(f"port {self.port} is not in 1..65535")
         if not self.host:
@@ -326,7 +333,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
             continue
         help_ = f"{f.metadata.get('help', '')} [env {env_name(f.name)}, default {f.default!r}]"
         tp = hints[f.name]
-        parser.add_argument(flag, dest=f.name, type=boolean if tp is bool else tp, default=None, help=help_)
+        if tp is bool:  # "--flag" alone is true (as vLLM's store_true flags); "--flag false" still works
+            parser.add_argument(flag, dest=f.name, type=boolean, nargs="?", const=True, default=None, help=help_)
+        else:
+            parser.add_argument(flag, dest=f.name, type=tp, default=None, help=help_)
 
 
 def build(cls: type, args: Mapping[str, Any] | argparse.Namespace | None = None,
