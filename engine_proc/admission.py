@@ -66,6 +66,7 @@ class Admission:
         return AdmitDecision(AdmitVerdict.ADMIT, match=match)
 
     def _admit_pending(self) -> None:
+        self._release_grammar_waits()  # rows whose grammar compiled join the queue
         while len(self._pending) and len(self._active) + len(self._prefilling) < self.max_batch_size:
             req = self._pending.peek_next()
             decision = self.check_gates(req)
@@ -89,8 +90,9 @@ class Admission:
         req.num_computed_tokens = req.num_cached_tokens
         req.kv_reserved = req.max_total_tokens
         self._active_kv_reserved += req.kv_reserved
-        self._sampling[req.request_id] = RowSamplingState(
+        state = self._sampling[req.request_id] = RowSamplingState(
             req.params, req.prompt_token_ids, self.eos_token_ids, self.backend.device)
+        state.grammar = self._row_grammar(req)
         req.status = RequestStatus.PREFILLING
         self.policy.on_request_admitted(req)
         # VTC charges the whole uncached prompt at admission (as the paper does), not per

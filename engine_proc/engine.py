@@ -85,6 +85,7 @@ class EngineServer(IOLoop, TickLoop):
         self.stats_window = StatsWindow(config.stats_interval_s)  # fed and published by the tick thread
         self.fatal: BaseException | None = None
         scheduler.on_left_pending = self._count_left_pending
+        scheduler.on_grammar_ready = self._wake.set  # a compile finished: tick now, not in 0.1 s
         self._tick_thread = threading.Thread(target=self._tick_loop, name="engine-tick", daemon=True)
         self._threads = [threading.Thread(target=self._io_loop, name="engine-io", daemon=True),
                          self._tick_thread]

@@ -13,6 +13,7 @@ import torch
 
 from engine_proc.backends.base import Backend, pick_device, pick_dtype
 from engine_proc.block_pool import BlockPool
+from engine_proc.grammar import GrammarCache
 from engine_proc.policy import make_policy
 from engine_proc.scheduler import Scheduler
 from engine_proc.threads import ThreadPlan, usable_cpus
@@ -84,8 +85,20 @@ def build_scheduler(config: cfg.EngineConfig, model, on_left_pending=None) -> Sc
     backend = make_backend(config, model, max_len, pool)
     policy = make_policy(config.policy, prompt_weight=config.fair_prompt_weight,
                          output_weight=config.fair_output_weight)
-    return Scheduler(config, backend, policy, pool, eos_ids_of(model),
-                     prefix_caching=prefix_caching, on_left_pending=on_left_pending)
+    eos = eos_ids_of(model)
+    return Scheduler(config, backend, policy, pool, eos,
+                     prefix_caching=prefix_caching, on_left_pending=on_left_pending,
+                     grammars=GrammarCache(lambda: load_tokenizer(config.model), backend.vocab_size, eos))
+
+
+def load_tokenizer(model: str):
+    """The model's Hugging Face tokenizer (structured outputs need it; loaded at the first
+    constrained request, on the grammar compiler's thread)."""
+    from transformers import AutoTokenizer
+
+    from shared.models import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(model)))
 
 
 def kv_bytes_per_block(model, block_size: int) -> int:

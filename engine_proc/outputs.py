@@ -2,7 +2,10 @@
 
 A row ends when it samples an EOS token (unless ``ignore_eos``) or one of its
 ``stop_token_ids`` once it has ``min_tokens``, or when it reaches ``max_tokens`` or the
-context window (``max_model_len``). What a tick produced is buffered per request and
+context window (``max_model_len``). A constrained row also ends with ``stop`` when its
+grammar is complete (nothing but EOS could follow), and on EOS even with ``ignore_eos``
+(its grammar allowed EOS only because the output matches and ``ignore_eos`` was off, or
+because the grammar is complete). What a tick produced is buffered per request and
 drained as one :class:`~shared.protocol.RequestOutput` each, in the order requests
 first appeared.
 """
@@ -61,15 +64,24 @@ class OutputRules:
 
     def _append_token(self, req: Request, token_id: int, logprob: TokenLogprob | None) -> None:
         req.output_token_ids.append(token_id)
-        self._sampling[req.request_id].append(token_id)
+        state = self._sampling[req.request_id]
+        state.append(token_id)
         self.num_generated_tokens += 1
         self._out.token(req, token_id, logprob)
         params = req.params
         n = req.num_output_tokens
+        grammar = state.grammar
         if n >= params.min_tokens and (
                 token_id in params.stop_token_ids
                 or (not params.ignore_eos and token_id in self.eos_token_ids)):
             req.status = RequestStatus.FINISHED_STOPPED
+        elif grammar is not None and token_id in self.eos_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED  # the grammar allowed EOS: it accepts
+        elif grammar is not None and not grammar.advance(token_id):
+            req.error = "the sampled token breaks the row's grammar"
+            req.status = RequestStatus.FINISHED_ERROR
+        elif grammar is not None and grammar.finished:
+            req.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
         elif n >= params.max_tokens or req.num_tokens >= self.backend.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
         if req.status.is_finished:

@@ -12,11 +12,13 @@ admitted row: admit adds, every exit subtracts (:meth:`check_invariants`).
 from __future__ import annotations
 
 import collections
+from concurrent.futures import Future
 from typing import Callable
 
 from engine_proc.backends.base import Backend
 from engine_proc.block_pool import BlockPool
 from engine_proc.gates import Limits
+from engine_proc.grammar import GrammarCache
 from engine_proc.outputs import OutputBuffer
 from engine_proc.policy import SchedulingPolicy
 from engine_proc.request import Request, RequestStatus
@@ -36,7 +38,8 @@ class SchedulerState:
     def __init__(self, config: EngineConfig, backend: Backend, policy: SchedulingPolicy,
                  block_pool: BlockPool, eos_token_ids: list[int], sampler: Sampler | None = None,
                  prefix_caching: bool = False,
-                 on_left_pending: Callable[[Request], None] | None = None):
+                 on_left_pending: Callable[[Request], None] | None = None,
+                 grammars: GrammarCache | None = None):
         mode = config.resolved_prefill_mode
         if mode not in (PrefillMode.MONOLITHIC, PrefillMode.CHUNKED, PrefillMode.MIXED_BATCH):
             raise NotImplementedError(f"PREFILL_MODE={mode.value} is not implemented yet "
@@ -63,8 +66,11 @@ class SchedulerState:
         self.kv_budget_tokens = config.resolved_kv_budget_tokens
         self.limits = Limits.from_config(config, backend.max_model_len, backend.vocab_size)
         self.on_left_pending = on_left_pending or (lambda req: None)  # called as a request leaves _pending
+        self.grammars = grammars  # structured outputs' compile cache (engine_proc.constrained)
+        self.on_grammar_ready: Callable[[], None] = lambda: None  # a compile finished (worker thread)
 
         self._pending = policy  # ordered by the policy; see SchedulingPolicy
+        self._awaiting_grammar: dict[Request, Future] = {}  # also _pending: its grammar is compiling
         self._prefilling: collections.deque[Request] = collections.deque()
         self._active: list[Request] = []
         self._requests: dict[str, Request] = {}
@@ -94,8 +100,10 @@ class SchedulerState:
         req.arrival_seq = self._arrival_seq
         self._arrival_seq += 1
         req.status = RequestStatus.WAITING
+        wait = self._wait_for_grammar(req)  # ValueError: constrained, but no compiler
         self._requests[req.request_id] = req
-        self.policy.on_request_arrived(req)
+        if not wait:
+            self.policy.on_request_arrived(req)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort from whichever queue holds the request; False if unknown or done."""
@@ -115,6 +123,10 @@ class SchedulerState:
     def has_work(self) -> bool:
         return bool(self._requests)
 
+    def only_compiling(self) -> bool:
+        """Every request waits for a grammar still compiling: a tick would do nothing."""
+        return self._grammar_waiting_only()
+
     def drain_outputs(self) -> list[tuple[str, RequestOutput]]:
         """Outputs produced since the last drain (aborts between ticks included)."""
         return self._out.drain()
@@ -132,7 +144,8 @@ class SchedulerState:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """End ``req`` with ``status`` from whichever queue holds it."""
         if req.status is RequestStatus.WAITING:
-            self._pending.remove(req)
+            if self._awaiting_grammar.pop(req, None) is None:
+                self._pending.remove(req)
             self.on_left_pending(req)
         if not req.status.is_finished:
             req.status = status
@@ -170,7 +183,7 @@ class SchedulerState:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the card's invariants do not hold."""
-        pending = list(self._pending)
+        pending = list(self._pending) + list(self._awaiting_grammar)
         queues = pending + list(self._prefilling) + self._active
         assert len(queues) == len({id(r) for r in queues}), "a request is in two queues"
         finished_active = [r for r in self._active if r.status.is_finished]
@@ -192,7 +205,8 @@ class SchedulerState:
         return {
             "prefill_mode": self.prefill_mode.value,
             "max_num_batched_tokens": self.token_budget or None,  # mixed_batch only
-            "num_pending": len(self._pending),
+            "num_pending": len(self._pending) + len(self._awaiting_grammar),
+            "num_awaiting_grammar": len(self._awaiting_grammar),
             "num_prefilling": len(self._prefilling),
             "num_active": len(self._active),
             "batch_size": len(self._active),
@@ -210,4 +224,5 @@ class SchedulerState:
             "rejected_by_code": dict(self.rejected_by_code),
             "num_ticks": self.num_ticks,
             **self.policy.snapshot(),
+            **(self.grammars.stats() if self.grammars is not None else {}),
         }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.protocol import FinishReason, SamplingParams
 
@@ -67,6 +68,7 @@ class Request:
     first_token_time: float | None = None
     error: str | None = None
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprob of prompt tokens 1.., as scored
+    grammar_template: Any = None  # compiled matcher of params.constraint, once ready (engine_proc.grammar)
 
     @property
     def prompt_len(self) -> int:

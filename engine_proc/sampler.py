@@ -22,7 +22,11 @@ no row in the batch needs is skipped entirely, so an all-greedy batch costs one
                            min_p drops p < min_p · p_max)
 
 Logprobs are the model's *raw* logprobs: ``log_softmax`` of the logits as passed in,
-before any stage above (vLLM's default "raw logprobs").
+before any stage above (vLLM's default "raw logprobs"). A row with a structured-output
+constraint (``RowSamplingState.grammar``) first has every token its grammar forbids set
+to ``-inf`` (stage 0, one masked fill for all such rows, :mod:`engine_proc.grammar`): its
+logprobs are those of the *constrained* distribution, the raw logits renormalised over
+the allowed tokens. A batch without such a row skips stage 0 entirely.
 
 Reproducibility: a seeded row is sampled with its own ``torch.Generator`` through
 ``torch.multinomial`` on its row alone, and every stage is row-wise, so a seeded
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine_proc.grammar import apply_bitmask, fill_bitmask
 from shared.protocol import SamplingParams, TokenLogprob
 
 _SEED_MASK = (1 << 64) - 1  # torch.Generator.manual_seed takes a uint64
@@ -71,6 +76,7 @@ class RowSamplingState:
         self.eos_token_ids = list(eos_token_ids)
         self.device = torch.device(device)
         self.output_token_ids: list[int] = []
+        self.grammar = None  # engine_proc.grammar.RowGrammar of a constrained row, set by the scheduler
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device=self.device)
@@ -195,6 +201,10 @@ class Sampler:
         if batch == 0:
             return SamplerOutput([], [])
         raw = logits if logits.dtype == torch.float32 else logits.float()
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:  # stage 0: the grammar's mask, on a copy
+            raw = raw.clone() if raw is logits else raw
+            apply_bitmask(raw, constrained, fill_bitmask([rows[i].grammar for i in constrained], raw.shape[1]))
         work = self.process_logits(raw, rows)
         greedy_rows = [i for i, r in enumerate(rows) if r.greedy]
         sampled_rows = [i for i, r in enumerate(rows) if not r.greedy]
@@ -391,6 +401,8 @@ def _logprobs(
         top_vals, top_ids = values.tolist(), ids.tolist()
     for j, i in enumerate(want):
         k = rows[i].params.logprobs
+        if rows[i].grammar is not None:  # alternatives the grammar forbids (-inf) are not alternatives
+            k = min(k, sum(1 for v in top_vals[j][:k] if v != float("-inf")))
         out[i] = TokenLogprob(
             token_id=token_list[i],
             logprob=sampled[j],

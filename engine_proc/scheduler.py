@@ -32,6 +32,7 @@ Where each part lives (every one a part of :class:`Scheduler`)::
     prefill.py     ② advance_prefill_chunk: the prefill plan, packed passes, prefix-cache hits
     decode.py      ④'s inputs, and sampling its logits
     outputs.py     the output rules (EOS, stop ids, max_tokens, context window); the tick's outputs
+    constrained.py structured outputs: rows wait in _pending for their grammar; a matcher per row
     scheduler.py   the tick itself, ③, ④, ②+④ (mixed_batch) and _promote_to_decode
 """
 
@@ -42,6 +43,7 @@ from typing import Callable
 
 from engine_proc.admission import Admission
 from engine_proc.backends.kernel_batch import BatchRejected
+from engine_proc.constrained import Constrained
 from engine_proc.decode import Decode
 from engine_proc.outputs import OutputRules
 from engine_proc.prefill import Prefill
@@ -53,7 +55,7 @@ from shared.protocol import RequestOutput
 log = logging.getLogger(__name__)
 
 
-class Scheduler(Admission, Prefill, Decode, OutputRules, SchedulerState):
+class Scheduler(Admission, Prefill, Decode, OutputRules, Constrained, SchedulerState):
     """Owns the queues, the gates and the reservation accounting; drives a backend.
 
     Constructed as :class:`~engine_proc.queues.SchedulerState` says. Not thread-safe:

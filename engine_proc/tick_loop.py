@@ -62,8 +62,8 @@ class TickLoop:
                 self._send_outputs(out, outputs)
                 if self.stats_window.due():
                     self._publish_stats(out)
-                if not self.scheduler.has_work():
-                    self._wake.wait(0.1)
+                if not self.scheduler.has_work() or self.scheduler.only_compiling():
+                    self._wake.wait(0.1)  # a submit, an abort or a finished compile wakes it
                     self._wake.clear()
         except Exception as exc:
             log.exception("tick failed; failing every request and exiting")

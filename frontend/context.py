@@ -45,6 +45,24 @@ class Frontend:
         ``generation_config.json`` (if it sets one) as the default of a request that omits it."""
         if self.default_max_tokens is None:
             self.default_max_tokens = generation_max_new_tokens(model_dir)
+        # --chat-template FILE replaces the model's template; read once (config.problems checked it is a file)
+        self.chat_template: str | None = None
+        if config.chat_template:
+            with open(config.chat_template, encoding="utf-8") as f:
+                self.chat_template = f.read()
+        self._tool_template: str | None = None
+
+    @property
+    def tool_template(self) -> str:
+        """The template for conversations with tools: ``--chat-template``'s, else the
+        packaged Hermes-style one (frontend/templates/hermes_tools.jinja)."""
+        if self.chat_template is not None:
+            return self.chat_template
+        if self._tool_template is None:
+            from frontend.tool_calls import TOOL_TEMPLATE
+
+            self._tool_template = TOOL_TEMPLATE.read_text(encoding="utf-8")
+        return self._tool_template
 
     @property
     def max_model_len(self) -> int:

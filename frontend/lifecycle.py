@@ -106,6 +106,11 @@ def engine_error(fe: Frontend, message: str) -> EngineError:
     return EngineError(message, unavailable=gone)
 
 
+def _eos_ids(fe: Frontend) -> tuple[int, ...]:
+    welcome = fe.client.welcome
+    return tuple(welcome.eos_token_ids) if welcome else ()
+
+
 async def choice_events(fe: Frontend, choices: list[ChoiceState], prompts: list[PromptInfo]
                         ) -> AsyncIterator[tuple[ChoiceState, str, list[p.TokenLogprob]]]:
     """Merge the choices' engine streams into ``(choice, text_delta, logprobs)``
@@ -136,9 +141,11 @@ async def choice_events(fe: Frontend, choices: list[ChoiceState], prompts: list[
                 choice.timer.finished("error")
                 raise engine_error(fe, out.error or "the engine failed the request")
             ids = out.token_ids
-            stop_token = out.finish_reason is p.FinishReason.STOP and bool(ids)
             # As vLLM: the EOS / stop token that ended the row is not text, unless
-            # include_stop_str_in_output asks for it.
+            # include_stop_str_in_output asks for it. (A constrained row also stops on the
+            # token that completes its grammar: that one is text.)
+            stop_token = (out.finish_reason is p.FinishReason.STOP and bool(ids)
+                          and (ids[-1] in choice.stop_token_ids or ids[-1] in _eos_ids(fe)))
             delta, stopped = choice.text.push(ids[:-1] if stop_token and not choice.include_stop else ids)
             choice.completion_tokens += len(ids)
             choice.timer.tokens(len(ids))

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 import msgspec
 
+from frontend import tool_calls
 from frontend.context import Frontend
 from frontend.http_errors import HTTPError
 from frontend.request_work import work_problem
 from frontend.schemas import ChatMessage, CompletionRequest
 from shared import protocol as p
+from shared.constraints import Constraint
 
 PARAM_NAMES = set(p.SamplingParams.__struct_fields__)
 
@@ -62,15 +64,18 @@ def max_tokens(fe: Frontend, body, prompt_len: int, default: int | None) -> int:
 
 
 def sampling_params(fe: Frontend, body, prompt: PromptInfo, default_max: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> p.SamplingParams:
+                    prompt_logprobs: int | None = None, constraint: Constraint | None = None) -> p.SamplingParams:
     """The engine parameters for one prompt, checked against the vocabulary and
-    the context window (HTTP 400 otherwise)."""
+    the context window (HTTP 400 otherwise); ``constraint``: the structured-output
+    grammar, already checked (frontend/structured.py)."""
     n_max = max_tokens(fe, body, len(prompt.token_ids), default_max)
     check_ids(fe, body.logit_bias_ids, "logit_bias")
     check_ids(fe, body.stop_token_ids or [], "stop_token_ids")
     params = body.sampling_params(n_max, logprobs, fe.vocab_size)
     if prompt_logprobs is not None:
         params = msgspec.structs.replace(params, prompt_logprobs=prompt_logprobs)
+    if constraint is not None:
+        params = msgspec.structs.replace(params, constraint=constraint)
     problem = params.validate()
     if problem:
         name = problem.split(" ", 1)[0]
@@ -111,12 +116,18 @@ def completion_prompts(fe: Frontend, body: CompletionRequest) -> list[PromptInfo
 
 
 def chat_prompt(fe: Frontend, messages: list[ChatMessage], add_generation_prompt: bool | None = None,
-                add_special_tokens: bool = False) -> PromptInfo:
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+                add_special_tokens: bool = False, tools: list[dict] | None = None,
+                tool_template: bool = False) -> PromptInfo:
+    """The chat template applied to ``messages`` (with ``tools``, OpenAI's tool
+    definitions, for a template that lists them). The template: ``--chat-template``'s if
+    given; else, with ``tool_template``, the Hermes-style tool template; else the model's."""
+    conversation = tool_calls.conversation(messages)
+    template = fe.tool_template if tool_template else fe.chat_template
+    extra = {"tools": tools} if tools else {}
     try:
         text = fe.tokenizer.apply_chat_template(
-            conversation, tokenize=False,
-            add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt)
+            conversation, tokenize=False, chat_template=template,
+            add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt, **extra)
     except Exception as exc:  # template errors are the client's messages
         raise HTTPError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
     ids = fe.tokenizer.encode(text, add_special_tokens=add_special_tokens)

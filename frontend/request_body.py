@@ -5,7 +5,9 @@ failure a 400 (413 too large, 408 too slow) that names the field."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 from typing import Any
 
 from pydantic import ValidationError
@@ -13,6 +15,8 @@ from starlette.requests import ClientDisconnect, Request
 
 from frontend.http_errors import ClientGone, HTTPError
 from shared.config import FrontendConfig
+
+log = logging.getLogger("tickserve.frontend")
 
 
 async def read_body(request: Request, config: FrontendConfig) -> bytes:
@@ -62,10 +66,19 @@ async def parse_body(request: Request, schema, config: FrontendConfig):
         body = schema.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc) from None
+    ignored = set(data) - known_fields(schema)
+    if ignored:  # as vLLM: once per request, so a misspelt or unsupported field is not silently dropped
+        log.warning("The following fields were present in the request but ignored: %s", sorted(ignored))
     problem = body.problem()
     if problem:
         raise HTTPError(400, problem[1], param=problem[0])
     return body
+
+
+@functools.cache
+def known_fields(schema) -> frozenset[str]:
+    """The top-level field names (and aliases) ``schema`` reads."""
+    return frozenset(name for key, f in schema.model_fields.items() for name in (key, f.alias) if name)
 
 
 def _check_unicode(data: Any) -> None:

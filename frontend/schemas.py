@@ -42,6 +42,8 @@ StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS
 SessionId = Annotated[str, Field(max_length=MAX_ID_CHARS)]  # the engine's bound on a session id
 Priority = Annotated[int, Field(ge=-(2**31), lt=2**31)]  # the engine's bound on priority
 
+Choices = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)]
+
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() accepts "²"
 
 Problem = tuple[str, str]  # (param, message)
@@ -50,6 +52,31 @@ Problem = tuple[str, str]  # (param, message)
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
     include_usage: bool | None = None
+
+
+class JsonSchemaSpec(BaseModel):
+    """OpenAI's ``response_format.json_schema``."""
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True, populate_by_name=True)
+    name: Annotated[str, Field(max_length=64)] | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` object (one of its fields at a time)."""
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Choices | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -80,6 +107,14 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     return_tokens_as_token_ids: bool | None = None  # vLLM: logprob tokens as "token_id:<id>"
+    # Structured outputs (frontend/structured.py): OpenAI's response_format, vLLM's guided_* and
+    # structured_outputs; at most one per request.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -168,11 +203,52 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """An assistant turn's tool call, as a client sends the conversation back."""
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none → any object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -191,9 +267,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -202,10 +278,11 @@ class ChatCompletionRequest(_SamplingFields):
     def problem(self) -> Problem | None:
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs requires logprobs to be true"
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            return "response_format", "only response_format {\"type\": \"text\"} is supported"
-        if self.tools and self.tool_choice != "none":
-            return "tools", "tool calling is not supported (send tool_choice \"none\" or no tools)"
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            return "tool_choice", "tool_choice \"required\" or a named function needs tools"
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {
+                t.function.name for t in self.tools}:
+            return "tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools"
         return super().problem()
 
 

@@ -16,6 +16,7 @@ from frontend.prompt_logprobs import engine_prompt_logprobs, legacy_prompt_part,
 from frontend.render import completion_logprobs, sse, sse_response, token_str, usage
 from frontend.schemas import DEFAULT_MAX_TOKENS_COMPLETIONS, CompletionRequest
 from frontend.serving import Serving
+from frontend.structured import request_constraint
 
 
 class CompletionsServing(Serving):
@@ -24,10 +25,11 @@ class CompletionsServing(Serving):
     async def create(self, request: Request) -> Response:
         fe = self.fe
         body: CompletionRequest = await self.parse(request, CompletionRequest)
+        constraint = await request_constraint(body)
         prompts = completion_prompts(fe, body)
         scoring = engine_prompt_logprobs(bool(body.echo), body.logprobs, body.prompt_logprobs, body.max_tokens)
-        plans = [(pr, sampling_params(fe, body, pr, DEFAULT_MAX_TOKENS_COMPLETIONS, body.logprobs, scoring))
-                 for pr in prompts]
+        plans = [(pr, sampling_params(fe, body, pr, DEFAULT_MAX_TOKENS_COMPLETIONS, body.logprobs, scoring,
+                                      constraint=constraint)) for pr in prompts]
         check_work(fe, plans, body.n or 1, body.logprobs, body.prompt_logprobs)
         choices = await start_choices(fe, request, body, plans, body.n or 1)
         base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),

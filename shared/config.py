@@ -204,6 +204,9 @@ class FrontendConfig:
     disable_log_stats: bool = _opt(False, "no periodic stats line (running, waiting, KV usage, tokens/s) while there is work")
     log_stats_interval_s: float = _opt(10.0, "period of the stats line while there is work, seconds")
     default_max_tokens: int = _opt(0, "max_tokens of a request that omits it (completions and chat); 0 → the model's generation_config.json max_new_tokens when it sets one, else the endpoint's own: 16 for /v1/completions (OpenAI's), the rest of the context for chat")
+    chat_template: str = _opt("", "a Jinja chat template file used for every chat request instead of the model's (as vLLM's --chat-template); empty → the model's, or the packaged Hermes-style tool template for requests with tools")
+    enable_auto_tool_choice: bool = _opt(False, "allow tool_choice \"auto\": the model decides, and its <tool_call> blocks are parsed (as vLLM's flag)")
+    tool_call_parser: str = _opt("hermes", "how tool calls are read from the model's text: hermes (<tool_call>{...}</tool_call>)")
 
     @property
     def resolved_input_addr(self) -> str:
@@ -220,6 +223,10 @@ class FrontendConfig:
     def problems(self) -> list[str]:
         """Settings that can never work; the frontend refuses to start with any."""
         out = []
+        if self.chat_template and not os.path.isfile(self.chat_template):
+            out.append(f"chat_template {self.chat_template!r} is not a file")
+        if self.tool_call_parser not in ("hermes",):
+            out.append(f"unknown tool_call_parser {self.tool_call_parser!r} (hermes)")
         if not 1 <= self.port <= 65535:
             out.append(f"port {self.port} is not in 1..65535")
         if not self.host:

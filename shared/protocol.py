@@ -27,6 +27,8 @@ from typing import Annotated, Any
 
 from msgspec import Meta, Struct, field
 
+from shared.constraints import Constraint
+
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature sampling is argmax
 
 # Field types with the bounds every decoded frame is checked against (a frame that breaks
@@ -95,6 +97,9 @@ class SamplingParams(Struct, frozen=True, array_like=True, forbid_unknown_fields
     # None → none; k → each prompt token's logprob + top-k, computed in the prefill pass
     # (such rows skip the prefix cache: a cached block has no logits). Allows max_tokens 0.
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    # Structured output: the grammar the generated text must match, as source text
+    # (shared.constraints); None → unconstrained.
+    constraint: Constraint | None = None
 
     def validate(self) -> str | None:
         """Return a human-readable problem with these parameters, or ``None`` if valid."""
@@ -125,6 +130,8 @@ class SamplingParams(Struct, frozen=True, array_like=True, forbid_unknown_fields
             return "logprobs must be in [0, 20]"
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             return "prompt_logprobs must be in [0, 20]"
+        if self.constraint is not None:
+            return self.constraint.validate()
         return None
 
     def _type_problem(self) -> str | None:
@@ -151,6 +158,8 @@ class SamplingParams(Struct, frozen=True, array_like=True, forbid_unknown_fields
         if self.logit_bias is not None and (not isinstance(self.logit_bias, dict) or not all(
                 is_int(k) and is_num(v) for k, v in self.logit_bias.items())):
             return "logit_bias must map integer token ids to numbers"
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            return "constraint must be a Constraint or null"
         return None
 
     @property

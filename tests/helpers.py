@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 
 import msgspec
 import torch
@@ -84,6 +85,9 @@ def run_until_idle(sched, arrivals: dict[int, list[Request]] | None = None, max_
             sched.add_request(req)
         if not sched.has_work() and tick > last_arrival:
             return outputs
+        deadline = time.monotonic() + 60
+        while sched.only_compiling() and time.monotonic() < deadline:  # a grammar compiles off-thread
+            time.sleep(0.005)
         for _, out in sched.step():
             outputs.setdefault(out.request_id, []).append(out)
         if check:
