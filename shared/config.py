@@ -264,8 +264,13 @@ class ServeConfig:
     api_server_count: int = _opt(1, "frontend processes sharing the HTTP port (vLLM: --api-server-count)")
     data_parallel_size: int = _opt(0, "engine processes, each on its share of the CPUs (or a device) with its own KV pool; frontends route between them (vLLM: --data-parallel-size); 0 → auto: on a CPU, usable CPUs ÷ --torch-threads (one thread each when unset), at most 8 and as fit in half the free memory; 1 on a GPU")
 
+    prefill_engines: int = _opt(0, "--prefill-mode disaggregated: prefill engines; 0 → auto (half the usable CPUs, at least 1)")
+    decode_engines: int = _opt(0, "--prefill-mode disaggregated: decode engines; 0 → auto (the other CPUs, at least 1)")
+
     def problems(self) -> list[str]:
         out = [] if self.api_server_count >= 1 else ["api_server_count must be at least 1"]
+        out += [f"{n} must be at least 0 (0: auto)" for n in ("prefill_engines", "decode_engines")
+                if getattr(self, n) < 0]
         return out + ([] if self.data_parallel_size >= 0 else ["data_parallel_size must be at least 0 (0: auto)"])
 
 
