@@ -12,7 +12,8 @@ Tick thread (holds the backend lock for the whole tick; :mod:`engine_proc.tick_l
     drain the inbox (submits, aborts, departed frontends, stats requests) →
     ``scheduler.step()`` → encode one ``StepOutput`` per frontend.
 
-Building the engine is :mod:`engine_proc.factory`; what it runs, :mod:`engine_proc.runtime_info`.
+Building the engine is :mod:`engine_proc.factory`; what it runs, :mod:`engine_proc.runtime_info`;
+the links of a prefill or decode engine (``PREFILL_MODE=disaggregated``), :mod:`engine_proc.handover_link`.
 This module wires the two threads to their sockets and runs the process: start-up
 (configuration problems exit with :data:`EXIT_CONFIG`), signals, the drain.
 """
@@ -33,6 +34,7 @@ import zmq
 
 from engine_proc.factory import build_scheduler, configure_torch, load_model, warm_up
 from engine_proc.gates import capacity_problems
+from engine_proc.handover_link import HandoverLink
 from engine_proc.io_loop import IOLoop
 from engine_proc.request import Request
 from engine_proc.runtime_info import runtime_info
@@ -46,7 +48,7 @@ from shared.transport import AddressInUse, AddressLock, EngineInbound, EngineOut
 log = logging.getLogger("tickserve.engine")
 
 
-class EngineServer(IOLoop, TickLoop):
+class EngineServer(IOLoop, TickLoop, HandoverLink):
     """Runs the two threads over bound sockets until :meth:`stop`."""
 
     def __init__(self, config: cfg.EngineConfig, scheduler: Scheduler, runtime: p.RuntimeInfo | None = None):
@@ -89,6 +91,7 @@ class EngineServer(IOLoop, TickLoop):
         self._tick_thread = threading.Thread(target=self._tick_loop, name="engine-tick", daemon=True)
         self._threads = [threading.Thread(target=self._io_loop, name="engine-io", daemon=True),
                          self._tick_thread]
+        self._init_handover_link()  # disaggregated roles: engine_proc/handover_link.py
 
     def _shm_frontends(self, config: cfg.EngineConfig):
         """The shared-memory listener in the run directory (``transport`` auto), or None."""
@@ -124,6 +127,7 @@ class EngineServer(IOLoop, TickLoop):
         self.inbound.close()
         self.outbound.close()
         self._tick_out_pull.close(0)
+        self._close_handover_link()
         for lock in self._locks:  # this engine's socket files and locks, and no one else's
             lock.release()
 

@@ -200,6 +200,9 @@ class IOLoop:
             return reason
         if self._draining:
             return p.RejectReason(p.RejectCode.SHUTTING_DOWN, "the engine is shutting down")
+        if self.config.role == "decode":
+            return p.RejectReason(p.RejectCode.QUEUE_FULL, "this engine decodes rows handed over by prefill "
+                                  "engines; submit to a prefill engine")
         if self.num_waiting >= self.config.max_queue_size:
             return p.RejectReason(p.RejectCode.QUEUE_FULL,
                                   f"the queue is full ({self.config.max_queue_size} requests waiting)",

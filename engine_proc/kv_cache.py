@@ -110,6 +110,49 @@ class PagedKVCache:
         head_dim]``."""
         return gather_blocks(self.keys[layer], self.values[layer], block_tables)
 
+    # ------------------------------------------------------------------ handover (disaggregated)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block's K and V over every layer (the handover payload's unit)."""
+        k, v = self.keys[0], self.values[0]
+        return len(self.keys) * (k[0].numel() * k.element_size() + v[0].numel() * v.element_size())
+
+    def _payload_views(self, payload: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``payload`` (``[n · block_nbytes]`` uint8) as per layer ``(K [n, …], V [n, …])``
+        in this cache's dtype and block layout: layer 0's K blocks, its V blocks, layer 1's…"""
+        views, at = [], 0
+        for k, v in zip(self.keys, self.values):
+            parts = []
+            for t in (k, v):
+                size = n * t[0].numel() * t.element_size()
+                parts.append(payload[at: at + size].view(t.dtype).view(n, *t.shape[1:]))
+                at += size
+            views.append((parts[0], parts[1]))
+        return views
+
+    def copy_blocks_out(self, block_ids: Sequence[int], payload: torch.Tensor) -> None:
+        """Write the K and V of ``block_ids`` (every layer) into ``payload``, a uint8 tensor
+        of exactly ``len(block_ids) · block_nbytes`` bytes (e.g. over a memfd's mapping)."""
+        n = len(block_ids)
+        if payload.dtype != torch.uint8 or payload.numel() != n * self.block_nbytes:
+            raise ValueError(f"payload of {payload.numel()} bytes for {n} blocks of {self.block_nbytes}")
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.keys[0].device)
+        for (k_out, v_out), k, v in zip(self._payload_views(payload, n), self.keys, self.values):
+            torch.index_select(k, 0, idx, out=k_out)
+            torch.index_select(v, 0, idx, out=v_out)
+
+    def copy_blocks_in(self, block_ids: Sequence[int], payload: torch.Tensor) -> None:
+        """Store a payload made by :meth:`copy_blocks_out` (same layout) into ``block_ids``.
+        Raises ``ValueError`` when its size does not match."""
+        n = len(block_ids)
+        if payload.dtype != torch.uint8 or payload.numel() != n * self.block_nbytes:
+            raise ValueError(f"payload of {payload.numel()} bytes for {n} blocks of {self.block_nbytes}")
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.keys[0].device)
+        for (k_in, v_in), k, v in zip(self._payload_views(payload, n), self.keys, self.values):
+            k.index_copy_(0, idx, k_in.to(k.device))
+            v.index_copy_(0, idx, v_in.to(v.device))
+
     def gather_row(self, layer: int, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one row's first ``length`` tokens (``block_ids`` ``[n]`` covers them),
         as ``[kv_heads, length, head_dim]``."""

@@ -34,6 +34,21 @@ class OutputBuffer:
     def prompt_logprobs(self, req: Request, logprobs: list[TokenLogprob]) -> None:
         self._item(req)["prompt_logprobs"] = logprobs
 
+    def forward(self, req: Request, output: RequestOutput) -> None:
+        """Buffer an output made elsewhere (a handed-over row's first tokens) as this
+        engine's own, to be drained before anything it adds later."""
+        item = self._item(req)
+        item["token_ids"].extend(output.token_ids)
+        if output.logprobs:
+            item.setdefault("logprobs", []).extend(output.logprobs)
+        if output.prompt_logprobs is not None:
+            item["prompt_logprobs"] = output.prompt_logprobs
+
+    def take(self, req: Request) -> RequestOutput | None:
+        """Remove ``req``'s buffered output and return it (``None`` if it has none)."""
+        item = self.items.pop(req.request_id, None)
+        return None if item is None else self._build(item)
+
     def _item(self, req: Request) -> dict:
         item = self.items.get(req.request_id)
         if item is None:
@@ -42,21 +57,23 @@ class OutputBuffer:
 
     def drain(self) -> list[tuple[str, RequestOutput]]:
         """``(frontend_id, output)`` pairs, in the order requests first appeared."""
-        out = []
-        for item in self.items.values():
-            req: Request = item["req"]
-            out.append((req.frontend_id, RequestOutput(
-                request_id=req.request_id,
-                token_ids=item["token_ids"],
-                finish_reason=item.get("finish_reason"),
-                logprobs=item.get("logprobs"),
-                num_prompt_tokens=req.prompt_len,
-                num_cached_tokens=req.num_cached_tokens,
-                error=req.error if item.get("finish_reason") is not None else None,
-                prompt_logprobs=item.get("prompt_logprobs"),
-            )))
+        out = [(item["req"].frontend_id, self._build(item)) for item in self.items.values()]
         self.items = {}
         return out
+
+    @staticmethod
+    def _build(item: dict) -> RequestOutput:
+        req: Request = item["req"]
+        return RequestOutput(
+            request_id=req.request_id,
+            token_ids=item["token_ids"],
+            finish_reason=item.get("finish_reason"),
+            logprobs=item.get("logprobs"),
+            num_prompt_tokens=req.prompt_len,
+            num_cached_tokens=req.num_cached_tokens,
+            error=req.error if item.get("finish_reason") is not None else None,
+            prompt_logprobs=item.get("prompt_logprobs"),
+        )
 
 
 class OutputRules:

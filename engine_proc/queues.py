@@ -23,7 +23,7 @@ from engine_proc.outputs import OutputBuffer
 from engine_proc.policy import SchedulingPolicy
 from engine_proc.request import Request, RequestStatus
 from engine_proc.sampler import RowSamplingState, Sampler
-from shared.config import EngineConfig, PrefillMode
+from shared.config import EngineConfig, EngineRole, PrefillMode
 from shared.protocol import RequestOutput
 
 
@@ -41,15 +41,19 @@ class SchedulerState:
                  on_left_pending: Callable[[Request], None] | None = None,
                  grammars: GrammarCache | None = None):
         mode = config.resolved_prefill_mode
-        if mode not in (PrefillMode.MONOLITHIC, PrefillMode.CHUNKED, PrefillMode.MIXED_BATCH):
-            raise NotImplementedError(f"PREFILL_MODE={mode.value} is not implemented yet "
-                                      "(monolithic, chunked and mixed_batch are)")
+        if mode is PrefillMode.DISAGGREGATED and config.role == EngineRole.MONOLITHIC.value:
+            raise NotImplementedError("PREFILL_MODE=disaggregated needs an engine role, prefill or decode")
+        if mode is PrefillMode.DISAGGREGATED and not hasattr(backend, "cache"):
+            raise NotImplementedError(f"PREFILL_MODE=disaggregated needs the paged backend (its KV blocks are "
+                                      f"what is handed over); {type(backend).__name__} has none")
         if mode is PrefillMode.MIXED_BATCH and not backend.packs_mixed:
             raise NotImplementedError(f"PREFILL_MODE=mixed_batch needs a backend that mixes decode rows and "
                                       f"prefill chunks in one pass (paged); {type(backend).__name__} does not")
         self.config = config
         self.prefill_mode = mode
         self.chunk_size = config.prefill_chunk_size if mode is PrefillMode.CHUNKED else 0
+        if mode is PrefillMode.DISAGGREGATED:  # the prefill role's chunks (0: a whole prompt per tick)
+            self.chunk_size = config.prefill_chunk_size or backend.max_model_len
         # mixed_batch: tokens of one tick's pass, decode rows first (vLLM's max_num_batched_tokens)
         self.token_budget = config.resolved_max_num_batched_tokens if mode is PrefillMode.MIXED_BATCH else 0
         if mode is PrefillMode.MIXED_BATCH and self.token_budget <= config.max_batch_size:
@@ -85,6 +89,7 @@ class SchedulerState:
         self.num_aborted = 0
         self.rejected_by_code: dict[str, int] = {}  # hard rejects at admission, by reason
         self.num_ticks = 0
+        self._init_handovers()
 
     # ------------------------------------------------------------------ entry points
 
@@ -109,19 +114,25 @@ class SchedulerState:
         """Abort from whichever queue holds the request; False if unknown or done."""
         req = self._requests.get(request_id)
         if req is None:
+            if self.abort_held(request_id):
+                return True
+            if self.role is EngineRole.DECODE:  # it may be on its way here: refuse it when it comes
+                self.tombstone(request_id)
             return False
+        self.cancel_handing(request_id)
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return True
 
     def abort_frontend(self, frontend_id: str) -> int:
         """Abort every request of a departed frontend; returns how many."""
-        doomed = [r.request_id for r in self._requests.values() if r.frontend_id == frontend_id]
+        doomed = [r.request_id for r in list(self._requests.values()) + self.held_requests()
+                  if r.frontend_id == frontend_id]
         for rid in doomed:
             self.abort_request(rid)
         return len(doomed)
 
     def has_work(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or bool(self._held)
 
     def only_compiling(self) -> bool:
         """Every request waits for a grammar still compiling: a tick would do nothing."""
@@ -133,7 +144,7 @@ class SchedulerState:
 
     def requests(self) -> list[Request]:
         """Every request in the engine (any queue, finished rows not yet evicted included)."""
-        return list(self._requests.values())
+        return list(self._requests.values()) + self.held_requests()
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is still in the engine (not yet released)."""
@@ -156,8 +167,9 @@ class SchedulerState:
         """The single release path: queues, backend row, blocks, reservation, policy."""
         if req.status is RequestStatus.FINISHED_ABORTED:
             self.num_aborted += 1
-        else:
+        elif req.status.is_finished:
             self.num_finished += 1
+        # else: handed over to a decode engine (the only exit of an unfinished row)
         if req in self._active:
             self._active.remove(req)
         elif req in self._prefilling:
@@ -225,4 +237,5 @@ class SchedulerState:
             "num_ticks": self.num_ticks,
             **self.policy.snapshot(),
             **(self.grammars.stats() if self.grammars is not None else {}),
+            **self.handover_stats(),
         }

@@ -36,4 +36,4 @@ def runtime_info(config: cfg.EngineConfig, scheduler: Scheduler, model_dir: str 
         single_thread_below=backend.threads.single_thread_below if getattr(backend, "threads", None) else 0,
         kv_block_size=scheduler.block_pool.block_size, kv_num_blocks=scheduler.block_pool.num_blocks,
         weights=getattr(backend, "weights_precision", "") or (str(dtype).removeprefix("torch.") if dtype else ""),
-        matmul=getattr(backend, "matmul_plan", ""))
+        matmul=getattr(backend, "matmul_plan", ""), role=config.role)

@@ -33,6 +33,8 @@ Where each part lives (every one a part of :class:`Scheduler`)::
     decode.py      ④'s inputs, and sampling its logits
     outputs.py     the output rules (EOS, stop ids, max_tokens, context window); the tick's outputs
     constrained.py structured outputs: rows wait in _pending for their grammar; a matcher per row
+    handover.py    disaggregated: the prefill role's handover at _promote_to_decode, the
+                   decode role's admission of handovers (gates 2 and 3)
     scheduler.py   the tick itself, ③, ④, ②+④ (mixed_batch) and _promote_to_decode
 """
 
@@ -45,17 +47,18 @@ from engine_proc.admission import Admission
 from engine_proc.backends.kernel_batch import BatchRejected
 from engine_proc.constrained import Constrained
 from engine_proc.decode import Decode
+from engine_proc.handover import Handovers
 from engine_proc.outputs import OutputRules
 from engine_proc.prefill import Prefill
 from engine_proc.queues import SchedulerState
 from engine_proc.request import Request, RequestStatus
-from shared.config import PrefillMode
+from shared.config import EngineRole, PrefillMode
 from shared.protocol import RequestOutput
 
 log = logging.getLogger(__name__)
 
 
-class Scheduler(Admission, Prefill, Decode, OutputRules, Constrained, SchedulerState):
+class Scheduler(Admission, Prefill, Decode, OutputRules, Constrained, Handovers, SchedulerState):
     """Owns the queues, the gates and the reservation accounting; drives a backend.
 
     Constructed as :class:`~engine_proc.queues.SchedulerState` says. Not thread-safe:
@@ -71,6 +74,12 @@ class Scheduler(Admission, Prefill, Decode, OutputRules, Constrained, SchedulerS
         pass instead of waiting for the end of the tick (TTFT is one decode step shorter).
         """
         self.num_ticks += 1
+        if self.role is EngineRole.PREFILL:  # disaggregated: handover.py
+            self.prefill_role_step()
+            return self.drain_outputs()
+        if self.role is EngineRole.DECODE:
+            self.decode_role_step()
+            return self.drain_outputs()
         self._admit_pending()
         if self.prefill_mode is PrefillMode.MIXED_BATCH:  # ② and ④ are one pass: ③ goes first
             self.evict_finished()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from engine_proc.handover_link import HandoverArrived
 from engine_proc.request import Request
 from shared import codec
 from shared import protocol as p
@@ -60,8 +61,10 @@ class TickLoop:
                     else:
                         outputs = self.scheduler.drain_outputs()
                 self._send_outputs(out, outputs)
+                self._service_handovers(lambda items: self._send_outputs(out, items))
                 if self.stats_window.due():
                     self._publish_stats(out)
+                    self._report_decode_load()
                 if not self.scheduler.has_work() or self.scheduler.only_compiling():
                     self._wake.wait(0.1)  # a submit, an abort or a finished compile wakes it
                     self._wake.clear()
@@ -91,8 +94,11 @@ class TickLoop:
                     continue
                 self.stats_window.on_arrival(req.request_id, req.session_id, req.arrival_time)
             elif isinstance(item, AbortRequests):
-                for rid in item.request_ids:
-                    self.scheduler.abort_request(rid)
+                missed = [rid for rid in item.request_ids if not self.scheduler.abort_request(rid)]
+                if missed and self.decode_targets is not None:  # handed over, maybe not acked yet
+                    self.decode_targets.forward_abort(missed)
+            elif isinstance(item, HandoverArrived):
+                self._on_handover_arrived(item)
             elif isinstance(item, FrontendGone):
                 self.scheduler.abort_frontend(item.frontend_id)
             elif isinstance(item, p.StatsRequest):
@@ -115,6 +121,8 @@ class TickLoop:
             carriers = {fid: {"carrier": "zmq"} for fid in list(self._frontends)}
             carriers.update(self.shm.stats() if self.shm is not None else {})
             frontends["frontends"] = carriers
+        if self.decode_targets is not None:
+            sched = dict(sched, **self.decode_targets.stats())
         return dict(sched, num_waiting=self.num_waiting, num_rejected=sum(rejected.values()),
                     rejected_by_code=rejected, bad_frames=self.bad_frames, **frontends,
                     engine_id=self.engine_id, runtime=msgspec.structs.asdict(self.runtime),

@@ -93,6 +93,9 @@ class EngineClient(SenderThread):
         self._streams: dict[str, RequestStream] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self.on_stats_broadcast = None  # event loop: called with each broadcast Stats' data
+        # event loop: (request_id, self) → the stream of a request another engine handed to
+        # this one (disaggregated prefill and decode), moved here; None if unknown
+        self.adopt = None
         self._nonces = itertools.count(1)
         self._ids = itertools.count()
         self.welcome: p.Welcome | None = None
@@ -127,6 +130,14 @@ class EngineClient(SenderThread):
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
+
+    def take_stream(self, request_id: str) -> RequestStream | None:
+        """Give up an in-flight request's stream (another engine streams it now)."""
+        return self._streams.pop(request_id, None)
+
+    def put_stream(self, stream: RequestStream) -> None:
+        """Take over a stream from another engine's client: this engine streams it now."""
+        self._streams[stream.request_id] = stream
 
     def in_flight_ids(self) -> set[str]:
         """Ids of the accepted requests whose outputs are still streaming."""
@@ -324,6 +335,8 @@ class EngineClient(SenderThread):
         elif isinstance(msg, p.StepOutput):
             for out in msg.outputs:
                 stream = self._streams.get(out.request_id)
+                if stream is None and self.adopt is not None:
+                    stream = self.adopt(out.request_id, self)
                 if stream is None:
                     continue
                 if out.finish_reason is not None:

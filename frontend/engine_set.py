@@ -13,6 +13,13 @@ changes. With several:
   skips it until its client is connected again.
 * ``stats`` sums the engines' counters, reports KV usage as used over total blocks of
   all pools, and lists every engine under ``engines``.
+* disaggregated prefill and decode (engines whose role is ``prefill`` or ``decode``):
+  requests go to prefill engines only; a prefill engine hands each row to a decode
+  engine, which streams it on this frontend's topic from its first token — the first
+  output for a request another engine accepted moves its stream to that engine's client
+  (so a dead prefill engine fails only the prompts it still holds, a dead decode engine
+  the rows it streams). An abort goes to the owner and to every decode engine (the row
+  may be in flight between them).
 
 Addresses (``--engine ADDR[,ADDR...]``): a run directory, or
 ``tcp://HOST:PORT`` (input ``PORT``, output ``PORT + 1``), or ``IN_ADDR+OUT_ADDR``.
@@ -52,6 +59,12 @@ class Member:
     def up(self) -> bool:
         return self.client.is_up
 
+    @property
+    def role(self) -> str:
+        """The engine's role as its welcome said (``""`` before one, or from an older engine)."""
+        w = self.client.welcome
+        return (w.runtime.role if w is not None and w.runtime is not None else "") or "monolithic"
+
     def load(self) -> float:
         s = self.latest or {}
         queued = s.get("num_pending", 0) + s.get("num_prefilling", 0) + s.get("num_active", 0)
@@ -83,6 +96,8 @@ class EngineSet:
         self.on_stats_broadcast = None  # called with (member index, stats) on the event loop
         for i, m in enumerate(self.members):
             m.client.on_stats_broadcast = lambda data, i=i: self._on_broadcast(i, data)
+            if len(self.members) > 1:
+                m.client.adopt = self._adopt
 
     @staticmethod
     def _clients_for(config: FrontendConfig) -> tuple[list[EngineClient], list[str]]:
@@ -163,13 +178,14 @@ class EngineSet:
     def route(self, key: bytes) -> list[Member]:
         """The engines to try for ``key``, best first (healthy ones only); with
         ``routing round_robin``, the next healthy engine in turn, then the others."""
+        members = [m for m in self.members if m.role != "decode"]  # decode engines take handovers only
         if self.config.routing == "round_robin":
-            healthy = [m for m in self.members if m.up]
+            healthy = [m for m in members if m.up]
             if not healthy:
                 return []
             start = next(self._turn) % len(healthy)
             return healthy[start:] + healthy[:start]
-        return choose(key, self.members, self.policy)
+        return choose(key, members, self.policy)
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: p.SamplingParams,
                      session_id: str | None = None, priority: int = 0, key: bytes = b"",
@@ -205,13 +221,30 @@ class EngineSet:
             live = set().union(*(m.client.in_flight_ids() for m in self.members))
             self._owners = {rid: m for rid, m in self._owners.items() if rid in live}
 
+    def _adopt(self, request_id: str, client: EngineClient) -> RequestStream | None:
+        """Event loop: an output for ``request_id`` came from ``client``'s engine, which
+        another engine handed the row to: move its stream there."""
+        for m in self.members:
+            if m.client is not client:
+                stream = m.client.take_stream(request_id)
+                if stream is not None:
+                    client.put_stream(stream)
+                    self._owners[request_id] = next(x for x in self.members if x.client is client)
+                    return stream
+        return None
+
     def abort(self, request_ids: list[str]) -> None:
-        """Abort each request at the engine that owns it (idempotent, never raises)."""
+        """Abort each request at the engine that owns it, and at every decode engine, where
+        a row on its way from its prefill engine may arrive (idempotent, never raises)."""
         by_member: dict[int, list[str]] = {}
+        decoders = [m for m in self.members if m.role == "decode"]
         for rid in request_ids:
             member = self._owners.pop(rid, None)
             if member is not None:
                 by_member.setdefault(id(member), []).append(rid)
+                for d in decoders:
+                    if d is not member:
+                        by_member.setdefault(id(d), []).append(rid)
                 continue
             for m in self.members:  # not routed by us (or forgotten): tell everyone
                 by_member.setdefault(id(m), []).append(rid)
@@ -261,6 +294,14 @@ def aggregate(per_engine: list[dict], num_engines: int) -> dict:
     out["rejected_by_code"] = rejected
     out["runtime"] = per_engine[0].get("runtime")
     out["prefill_mode"] = per_engine[0].get("prefill_mode")
+    roles = [s.get("role", "monolithic") for s in per_engine]
+    if any(r != "monolithic" for r in roles):
+        out["roles"] = {r: roles.count(r) for r in sorted(set(roles))}
+        decoders = [s for s in per_engine if s.get("role") == "decode"]
+        out["handovers"] = {"count": sum(s.get("handovers", {}).get("count", 0) for s in decoders),
+                            "bytes": sum(s.get("handovers", {}).get("bytes", 0) for s in decoders),
+                            "time_p50_ms": max((s["handovers"].get("time_p50_ms") or 0 for s in decoders), default=0),
+                            "time_p99_ms": max((s["handovers"].get("time_p99_ms") or 0 for s in decoders), default=0)}
     out["num_engines"] = num_engines
     out["num_engines_up"] = len(per_engine)
     out["engines"] = per_engine

@@ -50,8 +50,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from shared.supervisor import Supervisor, listen
 
     environ = dict(os.environ)
-    try:
-        engine = cfg.build(cfg.EngineConfig, args, environ)
+    mode = args.prefill_mode or environ.get(cfg.env_name("prefill_mode"), "")
+    disagg = mode == cfg.PrefillMode.DISAGGREGATED.value
+    try:  # serve's --decode-engines is a count (ServeConfig); an engine's, addresses
+        engine = cfg.build(cfg.EngineConfig, args, environ, decode_engines="", handover_addr="",
+                           role=cfg.EngineRole.DECODE.value if disagg else cfg.EngineRole.MONOLITHIC.value)
         frontend_probe = cfg.build(cfg.FrontendConfig, args, environ)
         serve = cfg.build(cfg.ServeConfig, args, environ)
     except ValueError as exc:
@@ -62,6 +65,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     by_address = bool(engine.input_addr or engine.output_addr)
     if dp > 1 and by_address:
         problems.append("--data-parallel-size engines listen in the run directory: give no --input-addr/--output-addr")
+    if disagg and (args.data_parallel_size is not None or cfg.env_name("data_parallel_size") in environ):
+        problems.append("--data-parallel-size does not apply to --prefill-mode disaggregated "
+                        "(its engines are --prefill-engines P and --decode-engines D)")
+    if disagg and by_address:
+        problems.append("--prefill-mode disaggregated engines listen in the run directory: give no "
+                        "--input-addr/--output-addr")
+    if not disagg and (serve.prefill_engines or serve.decode_engines):
+        problems.append("--prefill-engines and --decode-engines need --prefill-mode disaggregated")
     if problems:
         print("tickserve: " + "; ".join(problems), file=sys.stderr)
         return 2
@@ -86,15 +97,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"tickserve: cannot listen on {frontend_probe.host}:{frontend_probe.port}: {exc.strerror or exc} "
               "(is another server running? set --port or PORT)", file=sys.stderr)
         return 2
-    if dp == 0:
-        dp = _auto_engines(engine, model_dir, by_address)
     own = not (engine.run_dir or (engine.input_addr and engine.output_addr))
     run_dir = engine.run_dir or tempfile.mkdtemp(prefix="tickserve-")
-    engine_dirs = [run_dir] if dp == 1 else [os.path.join(run_dir, f"engine-{i}") for i in range(dp)]
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    engines = [cfg.build(cfg.EngineConfig, args, environ, model=model_dir, run_dir=d, **(
-        {} if dp == 1 else {"torch_threads": engine.torch_threads or max(1, cpus // dp),
-                            "kv_memory_fraction": engine.kv_memory_fraction / dp})) for d in engine_dirs]
+    if disagg:
+        engines, engine_dirs = _disaggregated(args, environ, engine, serve, run_dir, model_dir, cpus)
+        dp = len(engines)
+    else:
+        if dp == 0:
+            dp = _auto_engines(engine, model_dir, by_address)
+        engine_dirs = [run_dir] if dp == 1 else [os.path.join(run_dir, f"engine-{i}") for i in range(dp)]
+        engines = [cfg.build(cfg.EngineConfig, args, environ, model=model_dir, run_dir=d, decode_engines="",
+                             handover_addr="", role=cfg.EngineRole.MONOLITHIC.value, **(
+                                 {} if dp == 1 else {"torch_threads": engine.torch_threads or max(1, cpus // dp),
+                                                     "kv_memory_fraction": engine.kv_memory_fraction / dp}))
+                   for d in engine_dirs]
     name = args.served_model_name or _display(args.model or environ.get(cfg.env_name("model"), ""))
     os.makedirs(run_dir, exist_ok=True)
     # a fresh, marked directory: never a name of the user's in --run-dir (shared/marked_dirs.py)
@@ -105,7 +122,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            **({"disable_log_stats": True} if i else {}))  # one stats line, from frontend 0
                  for i in range(serve.api_server_count)]
     parts = (f"{serve.api_server_count} frontends, " if serve.api_server_count > 1 else "") + \
-            (f"{dp} engines, " if dp > 1 else "")
+            (f"{dp} engines, " if dp > 1 and not disagg else "") + \
+            (f"{sum(e.role == 'prefill' for e in engines)} prefill + {sum(e.role == 'decode' for e in engines)} "
+             "decode engines, " if disagg else "")
     print(f"tickserve: starting {name} on http://{frontend_probe.host}:{frontend_probe.port} "
           f"({parts}engine sockets in {', '.join(engine_dirs)}; "
           "Ctrl-C drains and stops)", flush=True)
@@ -124,6 +143,26 @@ def _context_length(engine: cfg.EngineConfig, model_dir: str) -> int:
     except (OSError, ValueError, TypeError, AttributeError):
         own = engine.max_model_len
     return min(engine.max_model_len, own)
+
+
+def _disaggregated(args, environ, engine: cfg.EngineConfig, serve: cfg.ServeConfig, run_dir: str, model_dir: str,
+                   cpus: int) -> tuple[list[cfg.EngineConfig], list[str]]:
+    """``--prefill-mode disaggregated``: P prefill and D decode engines (auto: half the
+    CPUs prefill, the rest decode, at least one each), each on its own share of the CPUs
+    with its share of the KV memory cap; the prefill engines hand rows to every decode
+    engine through its run directory. Returns the configs and their run directories."""
+    p = serve.prefill_engines or max(1, cpus // 2)
+    d = serve.decode_engines or max(1, cpus - p)
+    n = p + d
+    prefill_dirs = [os.path.join(run_dir, f"prefill-{i}") for i in range(p)]
+    decode_dirs = [os.path.join(run_dir, f"decode-{i}") for i in range(d)]
+    common = {"model": model_dir, "torch_threads": engine.torch_threads or max(1, cpus // n),
+              "kv_memory_fraction": engine.kv_memory_fraction / n, "handover_addr": ""}
+    prefills = [cfg.build(cfg.EngineConfig, args, environ, run_dir=x, role=cfg.EngineRole.PREFILL.value,
+                          decode_engines=",".join(decode_dirs), **common) for x in prefill_dirs]
+    decoders = [cfg.build(cfg.EngineConfig, args, environ, run_dir=x, role=cfg.EngineRole.DECODE.value,
+                          decode_engines="", **common) for x in decode_dirs]
+    return prefills + decoders, prefill_dirs + decode_dirs
 
 
 def _auto_engines(engine: cfg.EngineConfig, model_dir: str, by_address: bool) -> int:
@@ -200,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
                        help="the same as --model: a local Hugging Face directory or .gguf file")
     cfg.add_arguments(serve, cfg.ServeConfig)
-    cfg.add_arguments(serve, cfg.EngineConfig)
+    cfg.add_arguments(serve, cfg.EngineConfig, skip=("role", "handover_addr"))  # serve assigns roles
     cfg.add_arguments(serve, cfg.FrontendConfig, skip=SERVE_SHARED + ("engine", "http_fd"))
     sub.add_parser("engine", help="the engine process alone", add_help=False)
     sub.add_parser("frontend", help="one HTTP frontend", add_help=False)

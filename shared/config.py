@@ -26,7 +26,15 @@ class PrefillMode(str, enum.Enum):
     MONOLITHIC = "monolithic"  # whole prompt in one forward on admit
     CHUNKED = "chunked"  # version A: one PREFILL_CHUNK_SIZE chunk per tick, own pass
     MIXED_BATCH = "mixed_batch"  # version B: decode rows + prefill chunks in one pass, one token budget
-    DISAGGREGATED = "disaggregated"  # P/D on separate workers (not built)
+    DISAGGREGATED = "disaggregated"  # P/D: prefill engines hand finished rows to decode engines
+
+
+class EngineRole(str, enum.Enum):
+    """What one engine does under ``PREFILL_MODE=disaggregated`` (monolithic: everything)."""
+
+    MONOLITHIC = "monolithic"  # admits, prefills and decodes its own requests
+    PREFILL = "prefill"  # _pending and _prefilling; hands each row to a decode engine at _promote_to_decode
+    DECODE = "decode"  # accepts handovers (gates 2 and 3) and decodes them
 
 
 class PolicyName(str, enum.Enum):
@@ -59,6 +67,10 @@ class EngineConfig:
     prefill_chunk_size: int = _opt(256, "tokens of one prompt per tick in chunked mode (card: PREFILL_CHUNK_SIZE)")
     prefill_mode: str = _opt("", "monolithic | chunked | mixed_batch | disaggregated; empty → chunked if prefill_chunk_size > 0")
     max_num_batched_tokens: int = _opt(0, "mixed_batch: tokens in one tick's forward pass, one per decode row first, prompt chunks get the rest; 0 → max_batch_size + prefill_chunk_size (vLLM: max_num_batched_tokens)")
+    role: str = _opt("monolithic", "monolithic | prefill | decode: a prefill engine runs _pending and prefill and hands each row to a decode engine; a decode engine accepts those handovers and decodes (either implies prefill_mode disaggregated)")
+    decode_engines: str = _opt("", "prefill role: the decode engines to hand rows to, comma-separated: run directories (shared memory, this host) or tcp://HOST:PORT (their --handover-addr)")
+    handover_addr: str = _opt("", "decode role: also accept handovers over ZeroMQ at this tcp://HOST:PORT (across hosts); the run directory's handover socket serves this host")
+    max_handover_bytes: int = _opt(1 << 30, "decode role: largest KV payload one handover may carry, bytes; larger ones are refused")
     policy: str = _opt("fcfs", "fcfs | fair (Virtual Token Counter)")
     fair_prompt_weight: float = _opt(1.0, "VTC weight w_p of a prompt token (Sheng et al., OSDI'24)")
     fair_output_weight: float = _opt(2.0, "VTC weight w_q of an output token (Sheng et al., OSDI'24)")
@@ -82,7 +94,10 @@ class EngineConfig:
 
     @property
     def resolved_prefill_mode(self) -> PrefillMode:
-        """The card's rule: an empty mode is derived from PREFILL_CHUNK_SIZE (>0 → chunked)."""
+        """The card's rule: an empty mode is derived from PREFILL_CHUNK_SIZE (>0 → chunked);
+        a prefill or decode role is disaggregated."""
+        if self.role in (EngineRole.PREFILL.value, EngineRole.DECODE.value):
+            return PrefillMode.DISAGGREGATED
         if self.prefill_mode:
             return PrefillMode(self.prefill_mode)
         return PrefillMode.CHUNKED if self.prefill_chunk_size > 0 else PrefillMode.MONOLITHIC
@@ -135,8 +150,13 @@ class EngineConfig:
                                "(a full decode batch must leave room for prefill)")
                 if self.backend == BackendName.HF.value:
                     out.append("prefill_mode=mixed_batch needs backend paged")
-            if mode is PrefillMode.DISAGGREGATED:
-                out.append("prefill_mode=disaggregated is not built (monolithic, chunked and mixed_batch are)")
+            if self.prefill_mode and mode is not PrefillMode(self.prefill_mode):
+                out.append(f"role {self.role} runs prefill_mode disaggregated, not {self.prefill_mode}")
+            elif mode is PrefillMode.DISAGGREGATED and self.role not in (EngineRole.PREFILL.value,
+                                                                         EngineRole.DECODE.value):
+                out.append("prefill_mode=disaggregated needs role prefill or decode "
+                           "(tickserve serve --prefill-mode disaggregated starts both)")
+        out += _role_problems(self)
         if self.policy not in {p.value for p in PolicyName}:
             out.append(f"unknown policy {self.policy!r}")
         if self.backend not in {b.value for b in BackendName}:
@@ -262,8 +282,13 @@ class ServeConfig:
     api_server_count: int = _opt(1, "frontend processes sharing the HTTP port (vLLM: --api-server-count)")
     data_parallel_size: int = _opt(0, "engine processes, each on its share of the CPUs (or a device) with its own KV pool; frontends route between them (vLLM: --data-parallel-size); 0 → auto: on a CPU, usable CPUs ÷ --torch-threads (one thread each when unset), at most 8 and as fit in half the free memory; 1 on a GPU")
 
+    prefill_engines: int = _opt(0, "--prefill-mode disaggregated: prefill engines; 0 → auto (half the usable CPUs, at least 1)")
+    decode_engines: int = _opt(0, "--prefill-mode disaggregated: decode engines; 0 → auto (the other CPUs, at least 1)")
+
     def problems(self) -> list[str]:
         out = [] if self.api_server_count >= 1 else ["api_server_count must be at least 1"]
+        out += [f"{n} must be at least 0 (0: auto)" for n in ("prefill_engines", "decode_engines")
+                if getattr(self, n) < 0]
         return out + ([] if self.data_parallel_size >= 0 else ["data_parallel_size must be at least 0 (0: auto)"])
 
 
@@ -292,6 +317,49 @@ def parse_engines(spec: str) -> list[tuple[str, str, str]]:
             out.append((raw, raw, ""))
     if not out:
         raise ValueError("no engine address given")
+    return out
+
+
+def _role_problems(config: "EngineConfig") -> list[str]:
+    if config.role not in {r.value for r in EngineRole}:
+        return [f"unknown role {config.role!r} (monolithic, prefill, decode)"]
+    out = []
+    if config.role != EngineRole.MONOLITHIC.value and config.backend != BackendName.PAGED.value:
+        out.append(f"role {config.role} needs backend paged (its KV blocks are what is handed over)")
+    if config.role == EngineRole.PREFILL.value:
+        if not config.decode_engines:
+            out.append("role prefill needs --decode-engines (run directories or tcp://HOST:PORT)")
+        else:
+            try:
+                parse_decode_engines(config.decode_engines)
+            except ValueError as exc:
+                out.append(f"decode_engines: {exc}")
+    elif config.decode_engines:
+        out.append("decode_engines is for role prefill")
+    if config.handover_addr:
+        if config.role != EngineRole.DECODE.value:
+            out.append("handover_addr is for role decode")
+        elif not config.handover_addr.startswith("tcp://"):
+            out.append(f"handover_addr {config.handover_addr!r} is not a tcp:// address")
+    if config.max_handover_bytes < 1:
+        out.append("max_handover_bytes must be at least 1")
+    return out
+
+
+def parse_decode_engines(spec: str) -> list[str]:
+    """A prefill engine's ``decode_engines``: run directories (shared memory) and
+    ``tcp://HOST:PORT`` addresses, in order. Raises ``ValueError`` naming a bad entry."""
+    out = []
+    for raw in [s.strip() for s in spec.split(",") if s.strip()]:
+        if raw.startswith("tcp://"):
+            host, _, port = raw[len("tcp://"):].rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"decode engine {raw!r}: expected tcp://HOST:PORT")
+        elif "://" in raw:
+            raise ValueError(f"decode engine {raw!r}: a run directory or tcp://HOST:PORT")
+        out.append(raw)
+    if not out:
+        raise ValueError("no decode engine given")
     return out
 
 

@@ -252,6 +252,7 @@ class RuntimeInfo(Struct, frozen=True, array_like=True):
     kv_num_blocks: int = 0  # blocks in the KV pool
     weights: str = ""  # weights' precision: "bfloat16", or the packed types, e.g. "Q4_1×210 Q8_0×1 (gguf)"
     matmul: str = ""  # which matmul a pass takes, e.g. "low-bit avx512vnni (every pass)"
+    role: str = ""  # "monolithic" | "prefill" | "decode" (disaggregated prefill and decode)
 
     def summary(self) -> str:
         """One line for logs: ``device cpu, dtype float32, 1 thread, backend paged, ...``."""
@@ -262,6 +263,7 @@ class RuntimeInfo(Struct, frozen=True, array_like=True):
         weights = f", weights {self.weights}" if self.weights else ""
         return (f"device {self.device}, dtype {self.dtype}{weights}, {threads}, backend {backend}, "
                 f"prefill {self.prefill_mode}, policy {self.policy}"
+                + (f", role {self.role}" if self.role and self.role != "monolithic" else "")
                 + (f", transport {self.transport}" if self.transport else ""))
 
 

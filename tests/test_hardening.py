@@ -341,7 +341,7 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args,says", [
-    (["--prefill-mode", "disaggregated"], "disaggregated"),
+    (["--prefill-mode", "disaggregated", "--data-parallel-size", "2"], "data-parallel-size"),
     (["--dtype", "int8"], "dtype"),
     (["--device", "cuda"], "cuda"),
     (["--log-level", "loud"], "log_level"),

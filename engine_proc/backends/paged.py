@@ -34,7 +34,7 @@ from engine_proc.backends.paged_attention import (ATTN_IMPLEMENTATION, DecodeAtt
                                                   PagedForward, meta_is_prefill)
 from engine_proc.block_pool import BlockPool, cdiv
 from engine_proc.kernels import select_kernels
-from engine_proc.kv_cache import PagedKVCache
+from engine_proc.kv_cache import PagedKVCache, write_slots
 from engine_proc.threads import ThreadPlan
 
 
@@ -131,6 +131,7 @@ class PagedBackend(Backend):
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.cache = PagedKVCache(config.num_hidden_layers, block_pool.num_blocks, self.block_size,
                                   num_kv_heads, head_dim, param.dtype, self.device)
         self.kernels = select_kernels(self.device, param.dtype, head_dim, heads // num_kv_heads, self.block_size,
@@ -265,6 +266,27 @@ class PagedBackend(Backend):
             self.cache.zero_blocks(block_ids[cached // self.block_size:])
         row = self._rows[row_id] = _Row(block_ids, cached)
         return row
+
+    def adopt(self, row_id: str, seq_len: int) -> None:
+        """A row whose first ``seq_len`` tokens' KV was copied into its blocks (a handover,
+        ``PREFILL_MODE=disaggregated``): start it as prefilled; :meth:`promote` follows.
+        Raises ``ValueError`` for a row that exists or a table too short."""
+        if row_id in self._rows:
+            raise ValueError(f"row {row_id} already exists")
+        block_ids = self.block_pool.block_table(row_id)
+        bs = self.block_size
+        n = cdiv(seq_len, bs)
+        if n > len(block_ids):
+            raise ValueError(f"{seq_len} tokens exceed the row's {len(block_ids)} blocks")
+        if self._reads_block_tails:  # the copied last block's tail is whatever the other engine had
+            self.cache.zero_blocks(block_ids[n:])
+            if seq_len % bs:
+                slots = torch.arange(block_ids[n - 1] * bs + seq_len % bs, block_ids[n - 1] * bs + bs,
+                                     device=self.device)
+                zeros = torch.zeros(slots.numel(), self.num_kv_heads, self.head_dim, device=self.device)
+                for layer in range(len(self.cache.keys)):
+                    write_slots(self.cache.keys[layer], self.cache.values[layer], slots, zeros, zeros)
+        self._rows[row_id] = _Row(block_ids, seq_len)
 
     def promote(self, row_id):
         if row_id not in self._rows or row_id in self._decode:

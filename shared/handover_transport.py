@@ -1,0 +1,411 @@
+"""How a handover travels from a prefill engine to a decode engine
+(``PREFILL_MODE=disaggregated``; the frames are :mod:`shared.handover_wire`).
+
+On one host: a unix ``SOCK_SEQPACKET`` socket, ``<run_dir>/handover.sock``, in the
+decode engine's run directory. Each handover is **one sealed memfd** holding the
+metadata frame then, at the next 4 KiB boundary, the raw KV bytes; the socket message
+is ``H`` + u64 metadata length + u64 KV length, with the fd by ``SCM_RIGHTS``. The
+sender writes the memfd once (the KV straight from the cache blocks into its mapping),
+seals it (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL``) and closes its
+copy; the receiver checks the seals and the size before it maps it read-only, so the
+bytes it validates are the bytes it copies in, whatever the sender does afterwards.
+Nothing is pickled and nothing has a name: ``kill -9`` of either side leaves nothing
+behind. Every other message (both ways) is ``M`` + one msgpack frame.
+
+Across hosts: ZeroMQ, the decode engine's ROUTER at ``--handover-addr tcp://…`` and a
+DEALER per prefill engine; a handover is the multipart ``[b"H", metadata, kv]``, any
+other message ``[b"M", frame]``. The same validation applies.
+
+Both ends are driven by one thread each: the prefill side by the engine's tick thread
+(:class:`HandoverClient`, never blocking), the decode side by a listener thread
+(:class:`HandoverServer`, whose replies other threads queue with :meth:`HandoverServer.reply`).
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import mmap
+import os
+import queue
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Callable
+
+import zmq
+
+from shared import handover_wire as hw
+from shared.codec import DecodeError
+from shared.shm_ring import FRAME_SEALS, PeerFault, require_seals
+
+SOCKET_NAME = "handover.sock"
+HEADER = struct.Struct("<cQQ")  # b"H", metadata bytes, KV bytes
+ALIGN = 4096
+_FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
+MAX_SMALL = 1 << 20  # an "M" message on the socket
+
+
+def socket_path(run_dir: str) -> str:
+    return os.path.join(run_dir, SOCKET_NAME)
+
+
+def _kv_offset(meta_len: int) -> int:
+    return -(-meta_len // ALIGN) * ALIGN
+
+
+@dataclass
+class Received:
+    """One message a decode engine received: ``msg`` (a Handover or HandoverAbort); for a
+    handover, ``payload``, a read-only view of its KV bytes (its mapping goes when the
+    last reference does). ``peer`` names the connection to reply on."""
+
+    peer: object
+    msg: object
+    payload: memoryview | None = None
+
+
+class HandoverServer:
+    """The decode engine's end: the run directory's socket and, optionally, a tcp ROUTER.
+
+    :meth:`poll` (one thread) accepts connections (each is greeted with ``hello``),
+    receives and validates messages, and sends the replies queued by :meth:`reply`.
+    Bad messages are counted in ``bad`` with the last reason in ``last_bad``, never raised.
+    """
+
+    def __init__(self, hello: hw.DecodeHello, run_dir: str = "", tcp_addr: str = "",
+                 max_kv_bytes: int = 1 << 30, ctx: zmq.Context | None = None):
+        self.hello = hw.encode(hello)
+        self.max_kv_bytes = max_kv_bytes
+        self.bad = 0
+        self.last_bad = ""
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._conns: dict[int, socket.socket] = {}
+        self._poller = zmq.Poller()
+        self._listener = None
+        if run_dir:
+            path = socket_path(run_dir)
+            if os.path.exists(path):
+                os.unlink(path)
+            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._listener.bind(path)
+            self._listener.listen(64)
+            self._listener.setblocking(False)
+            self._poller.register(self._listener.fileno(), zmq.POLLIN)
+        self._router = None
+        if tcp_addr:
+            self._router = (ctx or zmq.Context.instance()).socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.MAXMSGSIZE, max_kv_bytes + hw.MAX_META_BYTES)
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            self._router.bind(tcp_addr)
+            self._poller.register(self._router, zmq.POLLIN)
+        self._tcp_peers: set[bytes] = set()
+
+    def reply(self, peer, msg) -> None:
+        """Queue ``msg`` for ``peer`` (thread-safe; sent by the next :meth:`poll`)."""
+        self._replies.put((peer, hw.encode(msg)))
+
+    def reply_all(self, msg) -> None:
+        """Queue ``msg`` for every connected prefill engine (thread-safe)."""
+        self._replies.put((None, hw.encode(msg)))
+
+    def poll(self, timeout_ms: int = 5) -> list[Received]:
+        self._flush_replies()
+        out: list[Received] = []
+        for item, _ in self._poller.poll(timeout_ms):
+            if self._listener is not None and item == self._listener.fileno():
+                self._accept()
+            elif item is self._router:
+                self._recv_tcp(out)
+            else:
+                self._recv_unix(item, out)
+        return out
+
+    def _bad(self, why: str) -> None:
+        self.bad += 1
+        self.last_bad = why
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        conn.setblocking(False)
+        try:
+            conn.send(b"M" + self.hello)
+        except OSError:
+            conn.close()
+            return
+        self._conns[conn.fileno()] = conn
+        self._poller.register(conn.fileno(), zmq.POLLIN)
+
+    def _drop(self, fd: int) -> None:
+        conn = self._conns.pop(fd, None)
+        if conn is not None:
+            self._poller.unregister(fd)
+            conn.close()
+
+    def _recv_unix(self, fd: int, out: list[Received]) -> None:
+        conn = self._conns.get(fd)
+        if conn is None:
+            return
+        for _ in range(64):
+            try:
+                data, ancdata, flags, _ = conn.recvmsg(MAX_SMALL, _FDS_SPACE, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._drop(fd)
+                return
+            fds = _fds_of(ancdata)
+            if not data and not fds:  # end of file: the prefill engine went away
+                self._drop(fd)
+                return
+            try:
+                if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                    raise PeerFault("a socket message larger than the protocol sends")
+                if data[:1] == b"H":
+                    taken, fds = fds, []
+                    out.append(self._handover_fd(fd, data, taken))
+                elif data[:1] == b"M" and not fds:
+                    out.append(Received(fd, hw.decode(data[1:], "decode")))
+                else:
+                    raise PeerFault(f"a socket message that is no handover message ({len(data)} bytes, "
+                                    f"{len(fds)} fds)")
+            except (PeerFault, DecodeError) as exc:
+                self._bad(str(exc))
+            finally:
+                for f in fds:
+                    os.close(f)
+
+    def _handover_fd(self, peer, data: bytes, fds: list[int]) -> Received:
+        """The handover an ``H`` message's memfd holds; closes ``fds``. Raises PeerFault, DecodeError."""
+        if len(data) != HEADER.size or len(fds) != 1:
+            for f in fds:
+                os.close(f)
+            raise PeerFault(f"a handover message of {len(data)} bytes with {len(fds)} fds")
+        fd = fds[0]
+        try:
+            _, meta_len, kv_len = HEADER.unpack(data)
+            if meta_len > hw.MAX_META_BYTES or kv_len > self.max_kv_bytes:
+                raise PeerFault(f"a handover of {meta_len} + {kv_len} bytes exceeds the limits")
+            require_seals(fd, FRAME_SEALS, "a handover's memfd")
+            size = _kv_offset(meta_len) + kv_len
+            if os.fstat(fd).st_size != size:
+                raise PeerFault("a handover's memfd is not the size announced")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) if size else None
+        finally:
+            os.close(fd)
+        if mm is None:
+            raise PeerFault("an empty handover")
+        view = memoryview(mm)
+        msg = hw.decode(view[:meta_len], "decode")
+        if not isinstance(msg, hw.Handover):
+            raise PeerFault("a memfd that holds no handover")
+        return Received(peer, msg, view[_kv_offset(meta_len): _kv_offset(meta_len) + kv_len])
+
+    def _recv_tcp(self, out: list[Received]) -> None:
+        for _ in range(64):
+            try:
+                parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            ident = parts[0].bytes
+            if ident not in self._tcp_peers:  # its first message: greet it (it waits for the layout)
+                self._tcp_peers.add(ident)
+                self._router.send_multipart([ident, b"M", self.hello])
+            try:
+                kind = parts[1].bytes if len(parts) > 1 else b""
+                if kind == b"H" and len(parts) == 4:
+                    msg = hw.decode(parts[2].buffer, "decode")
+                    if not isinstance(msg, hw.Handover):
+                        raise PeerFault("a handover message holds no handover")
+                    out.append(Received(ident, msg, parts[3].buffer))
+                elif kind == b"M" and len(parts) == 3:
+                    if len(parts[2].bytes):
+                        out.append(Received(ident, hw.decode(parts[2].buffer, "decode")))
+                else:
+                    raise PeerFault(f"a message of {len(parts) - 1} parts that is no handover message")
+            except (PeerFault, DecodeError) as exc:
+                self._bad(str(exc))
+
+    def _flush_replies(self) -> None:
+        while True:
+            try:
+                peer, frame = self._replies.get_nowait()
+            except queue.Empty:
+                return
+            if peer is None:
+                for p in list(self._conns) + list(self._tcp_peers):
+                    self._send_reply(p, frame)
+                continue
+            self._send_reply(peer, frame)
+
+    def _send_reply(self, peer, frame: bytes) -> None:
+            try:
+                if isinstance(peer, bytes):
+                    self._router.send_multipart([peer, b"M", frame], zmq.NOBLOCK)
+                elif peer in self._conns:
+                    self._conns[peer].send(b"M" + frame, socket.MSG_DONTWAIT)
+            except (OSError, zmq.ZMQError):
+                pass  # it went away: its rows' fate is the prefill engine's to report
+
+    def close(self) -> None:
+        for fd in list(self._conns):
+            self._drop(fd)
+        if self._listener is not None:
+            path = self._listener.getsockname()
+            self._listener.close()
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        if self._router is not None:
+            self._router.close(0)
+
+
+class HandoverClient:
+    """A prefill engine's connection to one decode engine (a run directory or
+    ``tcp://HOST:PORT``). Used by one thread; nothing blocks. ``layout`` and
+    ``engine_id`` are known once the decode engine's hello arrived (``ready``)."""
+
+    def __init__(self, target: str, ctx: zmq.Context | None = None):
+        self.target = target
+        self.tcp = target.startswith("tcp://")
+        self._ctx = ctx
+        self._sock = None
+        self.engine_id = ""
+        self.layout: hw.KVLayout | None = None
+        self.report: hw.DecodeReport | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._sock is not None and self.layout is not None
+
+    def connect(self) -> bool:
+        """Try to connect (a no-op when connected); True once connected."""
+        if self._sock is not None:
+            return True
+        try:
+            if self.tcp:
+                sock = (self._ctx or zmq.Context.instance()).socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 64)
+                sock.connect(self.target)
+                sock.send_multipart([b"M", b""])  # so the ROUTER learns of us and greets us
+            else:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                try:
+                    sock.connect(socket_path(self.target))
+                except OSError:
+                    sock.close()
+                    return False
+                sock.setblocking(False)
+        except zmq.ZMQError:
+            return False
+        self._sock = sock
+        return True
+
+    def disconnect(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0) if self.tcp else self._sock.close()
+        self._sock = None
+        self.layout = None
+        self.engine_id = ""
+        self.report = None
+
+    def receive(self) -> list:
+        """Messages from the decode engine waiting now (hello, acks, reports). Raises
+        ``ConnectionError`` when the connection is gone (then :meth:`disconnect`)."""
+        out = []
+        for _ in range(256):
+            frame = self._recv_one()
+            if frame is None:
+                break
+            try:
+                msg = hw.decode(frame, "prefill")
+            except DecodeError:
+                continue
+            if isinstance(msg, hw.DecodeHello):
+                self.engine_id, self.layout = msg.engine_id, msg.layout
+            elif isinstance(msg, hw.DecodeReport):
+                self.report = msg
+            out.append(msg)
+        return out
+
+    def _recv_one(self) -> bytes | None:
+        if self._sock is None:
+            return None
+        if self.tcp:
+            try:
+                parts = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            return parts[1] if len(parts) == 2 and parts[0] == b"M" else None
+        try:
+            data = self._sock.recv(MAX_SMALL, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as exc:
+            raise ConnectionError(str(exc)) from None
+        if not data:
+            raise ConnectionError("the decode engine closed its handover socket")
+        return data[1:] if data[:1] == b"M" else None
+
+    def send(self, msg) -> None:
+        """A small message (a HandoverAbort). Raises ``ConnectionError``."""
+        frame = hw.encode(msg)
+        try:
+            if self.tcp:
+                self._sock.send_multipart([b"M", frame], zmq.NOBLOCK)
+            else:
+                self._sock.send(b"M" + frame, socket.MSG_DONTWAIT)
+        except (OSError, zmq.ZMQError, AttributeError) as exc:
+            raise ConnectionError(str(exc)) from None
+
+    def send_handover(self, h: hw.Handover, fill: Callable[[memoryview], None]) -> None:
+        """Send ``h`` with its KV, which ``fill(view)`` writes into a writable view of
+        ``h.kv_bytes`` bytes. Raises ``ConnectionError`` (nothing was delivered)."""
+        meta = hw.encode(h)
+        if self.tcp:
+            kv = bytearray(h.kv_bytes)
+            fill(memoryview(kv))
+            try:
+                self._sock.send_multipart([b"H", meta, kv], zmq.NOBLOCK, copy=False)
+            except (zmq.ZMQError, AttributeError) as exc:
+                raise ConnectionError(str(exc)) from None
+            return
+        off = _kv_offset(len(meta))
+        size = off + h.kv_bytes
+        fd = os.memfd_create("tickserve-handover", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                mm[:len(meta)] = meta
+                view = memoryview(mm)
+                part = view[off:size]
+                try:
+                    fill(part)
+                finally:
+                    part.release()
+                    view.release()
+            finally:
+                mm.close()
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, FRAME_SEALS)
+            self._sock.sendmsg([HEADER.pack(b"H", len(meta), h.kv_bytes)],
+                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))],
+                               socket.MSG_DONTWAIT)
+        except (OSError, AttributeError) as exc:
+            raise ConnectionError(str(exc)) from None
+        finally:
+            os.close(fd)
+
+
+def _fds_of(ancdata) -> list[int]:
+    fds = array.array("i")
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return list(fds)
