@@ -139,3 +139,21 @@ def test_make_run_s_demo_answer_is_not_cut_by_server_lines(tmp_path, tiny_model_
             if script.poll() is None:
                 os.killpg(script.pid, signal.SIGKILL)
                 script.wait(5)
+
+
+def test_a_frontend_without_an_engine_logs_each_503_and_waits_without_a_warning(tmp_path, tiny_model_dir):
+    group = ProcessGroup(tmp_path)
+    port = free_port()
+    run = tmp_path / "run"
+    run.mkdir()
+    try:
+        fe = group.frontend(tiny_model_dir, run, port, log_level="info")
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: http_json(f"{base}/health", timeout=2)[0] == 503, 60, 0.2, "the frontend answering")
+        assert http_json(f"{base}/v1/completions", {"prompt": "Hi", "max_tokens": 4})[0] == 503
+        wait_for(lambda: '"POST /v1/completions" 503' in fe.output(), 10, what="the 503's line")
+        wait_for(lambda: "waiting for an engine" in fe.output(), 15, what="the waiting line")
+        waiting = [ln for ln in fe.output().splitlines() if "waiting for an engine" in ln]
+        assert all(" INFO " in ln for ln in waiting), waiting  # no engine has been up yet: news, not a warning
+    finally:
+        group.close()
