@@ -5,6 +5,7 @@ normal start, and an idle stop in under a second."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -94,18 +95,51 @@ def test_serve_says_ready_logs_each_request_and_its_work_then_stops_in_under_a_s
         group.close()
 
 
-def test_disable_log_requests_turns_the_line_off(tmp_path, tiny_model_dir):
-    group, serve, base, port = _serve_log_test(tmp_path, tiny_model_dir, "--disable-log-requests",
-                                               "--disable-log-stats", "--data-parallel-size", "1")
-    try:
-        wait_for(lambda: "tickserve ready:" in serve.output() or not serve.alive(), 180, what="the ready line")
-        assert http_json(f"{base}/v1/completions", {"prompt": "Hi", "max_tokens": 4})[0] == 200
-        assert http_json(f"{base}/no/such/path")[0] == 404
-        time.sleep(1.0)
-        out = serve.output()
-        assert "tickserve.request" not in out and "tickserve.stats" not in out, out[-2000:]
-    finally:
-        group.close()
+def test_the_request_line_and_its_switch(smol_tokenizer, caplog):
+    """In process: a generation's line carries its usage, a 404 has one with dashes, a
+    probe's 200 from /health none; --disable-log-requests (or vLLM's
+    --disable-uvicorn-access-log) leaves every request without a line."""
+    from starlette.testclient import TestClient
+
+    from frontend.app import create_app
+    from shared.config import FrontendConfig
+    from tests.test_serving_root import RecordingEngine
+
+    def lines(**config) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tickserve.request"):
+            with TestClient(create_app(FrontendConfig(**config), smol_tokenizer, "m", client=RecordingEngine())) as http:
+                assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+                assert http.get("/no/such/path").status_code == 404
+                assert http.get("/health").status_code == 200
+        return [r.getMessage() for r in caplog.records if r.name == "tickserve.request"]
+
+    logged = lines()
+    assert len(logged) == 2, logged
+    assert '"POST /v1/completions" 200 prompt_tokens=1 completion_tokens=2 ttft=' in logged[0]
+    assert "request_id=r1" in logged[0]
+    assert '"GET /no/such/path" 404 prompt_tokens=- completion_tokens=- ttft=-' in logged[1]
+    assert lines(disable_log_requests=True) == []
+    assert lines(disable_uvicorn_access_log=True) == []
+
+
+def test_the_stats_line_is_written_while_there_is_work_and_once_after():
+    from frontend.stats_log import StatsLog
+
+    current: list = [None]
+    log = StatsLog(lambda: current[0])
+    assert log.tick() is None  # no broadcast yet
+    idle = {"num_active": 0, "num_prefilling": 0, "num_pending": 0, "num_waiting": 0,
+            "blocks": {"num_used_blocks": 0, "num_blocks": 100}, "window": {"output_tokens_per_s": 0.0}}
+    current[0] = idle
+    assert log.tick() is None  # idle: silent
+    current[0] = {**idle, "num_active": 3, "num_prefilling": 1, "num_pending": 2, "num_waiting": 1,
+                  "blocks": {"num_used_blocks": 25, "num_blocks": 100}, "window": {"output_tokens_per_s": 41.25}}
+    assert log.tick() == ("running: 4 reqs, waiting: 3 reqs, KV usage: 25.0% (25 of 100 blocks), "
+                          "generation: 41.2 tokens/s")
+    current[0] = idle
+    assert log.tick().startswith("running: 0 reqs, waiting: 0 reqs")  # the work's end, once
+    assert log.tick() is None and log.tick() is None
 
 
 def test_make_run_s_demo_answer_is_not_cut_by_server_lines(tmp_path, tiny_model_dir):
