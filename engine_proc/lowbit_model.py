@@ -124,10 +124,15 @@ def gguf_weights(entry: Path, gguf: Path, config) -> GGUFWeights:
         except (ValueError, OSError, KeyError) as exc:
             log.warning("%s cannot be read (%s); packing the weights again", cached, exc)
             cached.unlink(missing_ok=True)
-    log.info("packing %s's low-bit weights (once per model; kept in %s)", gguf.name, cached)
-    weights = read_gguf(gguf, config)
-    model_cache.add_files(entry, lambda tmp: save(weights, tmp / CACHE_FILE), (CACHE_FILE,))
-    return weights
+    made: list[GGUFWeights] = []
+
+    def pack(tmp: Path) -> None:  # under the entry's lock: a second engine waits, then loads the file
+        log.info("packing %s's low-bit weights (once per model; kept in %s)", gguf.name, cached)
+        made.append(read_gguf(gguf, config))
+        save(made[0], tmp / CACHE_FILE)
+
+    model_cache.add_files(entry, pack, (CACHE_FILE,))
+    return made[0] if made else load(cached)
 
 
 # ------------------------------------------------------------------ the model

@@ -66,9 +66,22 @@ def merge_windows(merged: dict, stats: list[dict]) -> dict:
         window[name] = max(values) if values else None
     rates = [w.get("prefix_cache_hit_rate") for w in windows if w.get("prefix_cache_hit_rate") is not None]
     window["prefix_cache_hit_rate"] = sum(rates) / len(rates) if rates else None
-    sessions = [s for w in windows for s in (w.get("sessions") or [])]
-    window["sessions"] = sorted(sessions, key=lambda s: -(s.get("tokens_per_s") or 0.0))[:8]
+    window["sessions"] = merge_sessions([s for w in windows for s in (w.get("sessions") or [])])
     return {**merged, "window": window}
+
+
+def merge_sessions(sessions: list[dict], top: int = 8) -> list[dict]:
+    """Several engines' busiest sessions as one list: a session served by several engines
+    (requests without a session id are one, ``None``) is one row, its rates and VTC
+    counters summed; the ``top`` busiest first."""
+    merged: dict = {}
+    for s in sessions:
+        key = s.get("session") or None
+        row = merged.setdefault(key, {"session": key, "tokens_per_s": 0.0, "vtc_counter": None})
+        row["tokens_per_s"] += s.get("tokens_per_s") or 0.0
+        if s.get("vtc_counter") is not None:
+            row["vtc_counter"] = (row["vtc_counter"] or 0.0) + s["vtc_counter"]
+    return sorted(merged.values(), key=lambda s: -s["tokens_per_s"])[:top]
 
 
 def routes(frontend, hub: StatsHub) -> list:

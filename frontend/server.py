@@ -72,7 +72,8 @@ def run_frontend(config: cfg.FrontendConfig) -> int:
     name = config.served_model_name or model_display_name(config.model)
     app = create_app(config, tokenizer, name)
     app.state.frontend.use_generation_config(model_dir)
-    limits = ConnectionLimits(config.header_timeout_s, config.max_connections_per_client)
+    limits = ConnectionLimits(config.header_timeout_s, config.max_connections_per_client,
+                              config.max_dashboard_streams_per_client)
     app.state.connection_limits = limits
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, http=guarded_protocol(limits),
                                            log_level=config.log_level.lower(), access_log=False,

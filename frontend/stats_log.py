@@ -9,7 +9,7 @@
 is the scheduler's prefilling plus decoding rows (``_prefilling`` + ``_active``), ``waiting``
 the requests not admitted yet (``_pending`` and the engine's inbound queue), KV usage the
 used blocks over the pool's (``kv_pressure``), generation the engines' output tokens per
-second over the last minute. The figures are the engines' own broadcasts as the
+second over the last 5 seconds. The figures are the engines' own broadcasts as the
 dashboard gets them (:class:`~frontend.stats_stream.StatsHub`), summed over engines. One
 last line follows the work's end, then nothing until work comes back. Only the first
 frontend of ``tickserve serve`` writes it (the others get ``--disable-log-stats``).

@@ -14,7 +14,9 @@ second after losing the frontend), then events of the form::
     event: stats
     data: {"engine": {"up": true, "engine_id": "...", "restarts": 0}, "stats": {...}}
 
-``stats`` is the engine's ``/scheduler/stats`` body (``window`` holds the rates and
+The first event after ``retry`` is ``event: history``: the last minute of the charted
+figures, one point a second (:meth:`StatsHub.history_frame`), so that a page opened now
+draws the minute before it. ``stats`` is the engine's ``/scheduler/stats`` body (``window`` holds the rates and
 the last minute's TTFT/ITL percentiles) or ``null`` while the engine is down; when an
 engine comes back (a new ``engine_id``) ``restarts`` counts up.
 """
@@ -22,12 +24,21 @@ engine comes back (a new ``engine_id``) ``restarts`` counts up.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
 from typing import AsyncIterator, Callable
 
 DEFAULT_MAX_HZ = 4.0
 KEEPALIVE_S = 1.0
+HISTORY_S = 60  # a new viewer gets this many seconds of history, one point a second
+HISTORY_FIELDS = ("num_pending", "num_prefilling", "num_active", "batch_size", "kv_pressure", "active_kv_reserved",
+                  "kv_budget_tokens", "window")  # what the dashboard charts
+
+
+def history_point(stats: dict, t: float) -> dict:
+    """The charted fields of one stats body, at wall-clock time ``t`` (seconds)."""
+    return {"t": t, **{k: stats.get(k) for k in HISTORY_FIELDS}}
 
 
 def sse_frame(event_id: int, event: str, data: dict) -> str:
@@ -47,8 +58,10 @@ class StatsHub:
 
     def __init__(self, status: Callable[[], tuple | list], frontend: Callable[[], dict] | None = None,
                  clock: Callable[[], float] = time.monotonic, addresses: list[str] | None = None,
-                 merge: Callable[[list[dict]], dict] | None = None):
+                 merge: Callable[[list[dict]], dict] | None = None, wall: Callable[[], float] = time.time):
         self.status = status
+        self.wall = wall
+        self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_S)  # one point a second
         self.frontend = frontend or (lambda: {})
         self.clock = clock
         self.addresses = addresses or [""]
@@ -86,6 +99,19 @@ class StatsHub:
         self.latest_by[index] = data
         self.version += 1
         self._changed.set()
+        now = self.wall()
+        if not self.history or now - self.history[-1]["t"] >= 1.0:
+            current = self.current()
+            if current is not None:
+                self.history.append(history_point(current, now))
+
+    def history_frame(self) -> str:
+        """The ``history`` event a new viewer gets first: ``{"now": <wall-clock s>, "points":
+        [history_point, …]}``, the last :data:`HISTORY_S` seconds, oldest first."""
+        now = self.wall()
+        points = [pt for pt in self.history if now - pt["t"] <= HISTORY_S]
+        data = json.dumps({"now": now, "points": points}, separators=(",", ":"))
+        return f"event: history\ndata: {data}\n\n"  # no id: the stats events keep theirs
 
     def engine_down(self) -> None:
         """Wake the viewers so they report the engine down at once."""
@@ -145,6 +171,7 @@ class StatsHub:
         ``stopping()`` (the frontend drains)."""
         min_gap = 1.0 / max_hz
         yield "retry: 1000\n\n"
+        yield self.history_frame()
         while not stopping():
             sent_at = self.clock()
             frame = self.frame()

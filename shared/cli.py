@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 from shared import config as cfg
 from shared.process_config import LOG_FORMAT, OneLineParser
@@ -45,7 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setting that cannot work, 78 for model files that cannot load (one line on stderr
     either way, before anything starts), or what the supervisor returns."""
     from shared.marked_dirs import make_marked_dir
-    from shared.models import ModelNotFound, resolve_model
+    from shared.models import ModelNotFound, gguf_source, has_weights, resolve_model
     from shared.startup_faults import StartupFault, check_model_dir, report
     from shared.supervisor import Supervisor, listen
 
@@ -78,7 +79,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         model_dir = str(resolve_model(engine.model))  # convert once, before any child starts
-        check_model_dir(model_dir)  # weights and tokenizer: a fault there would fail every restart
+        # weights and tokenizer: a fault there would fail every restart (a Llama GGUF's entry
+        # holds no checkpoint: the engine reads the GGUF's own weights, as engine_proc.factory)
+        check_model_dir(model_dir, weights=gguf_source(engine.model) is None or has_weights(Path(model_dir)))
     except ModelNotFound as exc:
         print(f"tickserve: {exc}", file=sys.stderr)
         return 2
@@ -235,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="tickserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="engine + frontend, supervised")
+    serve = sub.add_parser("serve", help="engine + frontend, supervised",
+                           epilog="The scheduler's names (MAX_QUEUE_SIZE, gates 1-3, the active-KV budget) are "
+                                  "explained in docs/scheduler.md; every mode, with its default, in README.md.")
     serve.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
                        help="the same as --model: a local Hugging Face directory or .gguf file")
     cfg.add_arguments(serve, cfg.ServeConfig)

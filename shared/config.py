@@ -62,9 +62,9 @@ class EngineConfig:
     max_shm_peers: int = _opt(64, "shared-memory frontends one engine serves at once (each costs its rings: 1.25 × shm_ring_bytes); more are refused with the reason, which the frontend logs")
     input_addr: str = _opt("", "engine PULL address (submit/abort); empty → ipc://<run_dir>/input.sock")
     output_addr: str = _opt("", "engine PUB address (acks/tokens); empty → ipc://<run_dir>/output.sock")
-    max_queue_size: int = _opt(256, "gate 1: requests allowed to wait before HTTP 429 (card: MAX_QUEUE_SIZE)")
-    max_batch_size: int = _opt(256, "rows running at once, prefilling plus decoding (card: MAX_BATCH_SIZE)")
-    prefill_chunk_size: int = _opt(256, "tokens of one prompt per tick in chunked mode (card: PREFILL_CHUNK_SIZE)")
+    max_queue_size: int = _opt(256, "gate 1: requests allowed to wait before HTTP 429 (MAX_QUEUE_SIZE in docs/scheduler.md)")
+    max_batch_size: int = _opt(256, "rows running at once, prefilling plus decoding (MAX_BATCH_SIZE in docs/scheduler.md)")
+    prefill_chunk_size: int = _opt(256, "tokens of one prompt per tick in chunked mode (PREFILL_CHUNK_SIZE in docs/scheduler.md)")
     prefill_mode: str = _opt("", "monolithic | chunked | mixed_batch | disaggregated; empty → chunked if prefill_chunk_size > 0")
     max_num_batched_tokens: int = _opt(0, "mixed_batch: tokens in one tick's forward pass, one per decode row first, prompt chunks get the rest; 0 → max_batch_size + prefill_chunk_size (vLLM: max_num_batched_tokens)")
     role: str = _opt("monolithic", "monolithic | prefill | decode: a prefill engine runs _pending and prefill and hands each row to a decode engine; a decode engine accepts those handovers and decodes (either implies prefill_mode disaggregated)")
@@ -74,7 +74,7 @@ class EngineConfig:
     policy: str = _opt("fcfs", "fcfs | fair (Virtual Token Counter)")
     fair_prompt_weight: float = _opt(1.0, "VTC weight w_p of a prompt token (Sheng et al., OSDI'24)")
     fair_output_weight: float = _opt(2.0, "VTC weight w_q of an output token (Sheng et al., OSDI'24)")
-    kv_budget_tokens: int = _opt(0, "gate 2: sum of prompt_len + max_tokens over running rows; 0 → kv_block_size · kv_num_blocks (card: active-KV budget)")
+    kv_budget_tokens: int = _opt(0, "gate 2: sum of prompt_len + max_tokens over running rows; 0 → kv_block_size · kv_num_blocks (active-KV budget in docs/scheduler.md)")
     kv_block_size: int = _opt(16, "tokens per KV cache block")
     kv_num_blocks: int = _opt(0, "blocks in the pool; 0 → enough for max_batch_size full-context rows, capped by kv_memory_fraction")
     kv_memory_fraction: float = _opt(0.25, "when kv_num_blocks is 0, the pool takes at most this fraction of the accelerator's (or host's) free memory at start; 0 → no cap")
@@ -215,6 +215,7 @@ class FrontendConfig:
     body_timeout_s: float = _opt(30.0, "a request body not received within this long is answered 408, seconds")
     max_request_work: int = _opt(1 << 18, "one request's work: prompts × n × (prompt + max_tokens) tokens × (1 + logprobs + prompt_logprobs), in token entries (about 50 bytes of response each); more is answered 400")
     max_connections_per_client: int = _opt(512, "open connections allowed from one client address; more are answered 429 and closed")
+    max_dashboard_streams_per_client: int = _opt(64, "open dashboard streams (/scheduler/stats/stream) allowed from one client address, counted apart from the connections above; more are answered 429")
     engine_timeout_s: float = _opt(1.0, "no engine heartbeat for this long → engine is down, seconds")
     ack_timeout_s: float = _opt(10.0, "wait for the engine's submit ack at most this long, seconds")
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for in-flight requests, seconds")
@@ -251,7 +252,8 @@ class FrontendConfig:
             out.append(f"port {self.port} is not in 1..65535")
         if not self.host:
             out.append("host must not be empty")
-        for name in ("max_body_bytes", "max_connections_per_client", "max_request_work"):
+        for name in ("max_body_bytes", "max_connections_per_client", "max_request_work",
+                     "max_dashboard_streams_per_client"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be at least 1")
         if self.default_max_tokens < 0:

@@ -19,6 +19,7 @@ Llama entry on demand, for tools that read a plain Hugging Face directory (vLLM,
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 from pathlib import Path
 
@@ -164,7 +165,27 @@ def gguf_source(model: str) -> Path | None:
     if not model:
         return default_gguf_path()
     path = Path(model).expanduser()
+    if path.is_dir():  # a GGUF's cache entry (tickserve serve hands its engines the entry)
+        return _entry_source(path)
     return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def _entry_source(entry: Path) -> Path | None:
+    """The GGUF file a cache entry was converted from, while it still holds the same bytes."""
+    import hashlib
+
+    try:
+        record = json.loads((entry / model_cache.SOURCE_FILE).read_text())
+        source = Path(record["converted_from"])
+        if source.suffix != ".gguf" or not source.is_file():
+            return None
+        h = hashlib.sha256()
+        with open(source, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        return source if h.hexdigest() == record["sha256"] else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def hf_directory(model: str) -> Path:

@@ -139,3 +139,51 @@ def test_dashboard_follows_load_and_engine_restart_without_leaving_the_host(serv
     assert any(u.endswith("/uPlot.iife.min.js") for u in urls)
     strangers = [u for u in urls if urlparse(u).netloc != origin and not u.startswith(("data:", "blob:"))]
     assert not strangers, strangers
+
+
+def _no_session_load(base: str, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            with httpx.stream("POST", f"{base}/v1/completions", json={**LOAD, "max_tokens": 60}, timeout=60) as resp:
+                for _ in resp.iter_lines():
+                    pass
+        except Exception:  # noqa: BLE001 - the server stops at the end of the test
+            time.sleep(0.2)
+
+
+def test_a_fresh_page_shows_the_last_minute_plain_labels_and_one_no_session_row(tmp_path, tiny_model_dir, browser):
+    """Two engines serve requests without a session id; a page opened 8 s later draws
+    those 8 s at once, on a one-minute axis, labels the queues plainly with the card's
+    names beside them, and lists the session-less requests as one row."""
+    group = ProcessGroup(tmp_path)
+    port = free_port()
+    group.spawn(["-m", "shared.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port), "--device", "cpu",
+                 "--torch-threads", "1", "--data-parallel-size", "2", "--log-level", "warning"], "serve")
+    base = f"http://127.0.0.1:{port}"
+    stop = threading.Event()
+    threads = [threading.Thread(target=_no_session_load, args=(base, stop), daemon=True) for _ in range(4)]
+    try:
+        wait_healthy(base, 120)
+        wait_for(lambda: httpx.get(f"{base}/health").json().get("num_engines_up") == 2, 60, 0.2, "both engines up")
+        for t in threads:
+            t.start()
+        time.sleep(8)
+        opened = time.time()
+        browser.get(f"{base}/dashboard")
+        wait_for(lambda: number(browser, "updates") >= 1, 30, 0.1, "the first stats event")
+        oldest, span = browser.execute_script(
+            "const p = charts.queues.plot; return [charts.queues.data[0][0], p.scales.x.max - p.scales.x.min]")
+        assert oldest < opened - 5, (oldest, opened)  # the history event drew the seconds before the page
+        assert abs(span - 60) < 1, span  # a minute from the first second, not years
+        card = browser.execute_script("return document.getElementById('c-queues').parentElement.textContent")
+        for label, name in (("waiting", "_pending"), ("prefilling", "_prefilling"), ("decoding", "_active")):
+            assert label in card and name in card
+        wait_for(lambda: browser.execute_script(
+            "return [...document.querySelectorAll('#sessions tbody tr td:first-child')].map(td => td.textContent)")
+            == ["(no session)"], 20, 0.2, "one (no session) row")
+        assert "(none)" not in browser.execute_script("return document.body.textContent")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        group.close()

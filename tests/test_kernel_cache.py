@@ -167,3 +167,37 @@ def test_clang_builds_the_kernels_or_is_refused_in_one_line(tmp_path, monkeypatc
                                rtol=1e-5, atol=1e-5)
     logits = torch.randn(4, 1000)
     assert torch.equal(kernels.argmax(logits), logits.argmax(-1))  # the shuffles' horizontal maximum
+
+
+def test_a_build_says_so_once_and_a_hit_says_nothing(cache, caplog):
+    """The first start on a host names the build (it used to go quiet for seconds); later
+    starts find the library without a line."""
+    with caplog.at_level(logging.INFO, logger="shared.native_build"):
+        native_build.cached_library("answer", SOURCE.encode(), FLAGS, ("tickserve_answer",), _command,
+                                    what="building the answer (first start on this host)")
+    assert [r.getMessage() for r in caplog.records if "building" in r.getMessage()] == [
+        "building the answer (first start on this host)"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="shared.native_build"):
+        _library()
+    assert not caplog.records
+
+
+def test_a_process_that_waits_for_another_s_build_says_so(cache, caplog):
+    import fcntl
+    import threading
+
+    cache.mkdir(parents=True)
+    key = native_build.lookup_key("answer", SOURCE.encode(), FLAGS)
+    holder = open(cache / f"answer-{key}.lock", "a")  # another process's build, for half a second
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    release = threading.Timer(0.5, lambda: fcntl.flock(holder, fcntl.LOCK_UN))
+    release.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="shared.native_build"):
+            _library()
+    finally:
+        release.join()
+        holder.close()
+    waits = [r for r in caplog.records if "another process is building answer" in r.getMessage()]
+    assert len(waits) == 1 and waits[0].levelno == logging.INFO

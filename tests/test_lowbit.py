@@ -236,3 +236,33 @@ def test_quantization_resolves_per_model_and_device(tiny_llama, tmp_path):
     n_proj = 7 * TINY_LLAMA["num_hidden_layers"]
     assert int4.types == {"Q4_1": n_proj, "Q8_0": 1} and int4.kind == "int4"
     assert quantize_model(tiny_llama, "int8").types == {"Q8_0": n_proj + 1}
+
+
+def test_two_engines_starting_at_once_pack_the_weights_once(tiny_gguf, tmp_path, monkeypatch):
+    """The second waits on the entry's lock and loads the first's file (both used to pack)."""
+    import threading
+    import time as _time
+
+    from engine_proc import lowbit_model
+
+    model, path = tiny_gguf
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    real, calls = lowbit_model.read_gguf, []
+
+    def slow_read(*args):
+        calls.append(1)
+        _time.sleep(0.3)
+        return real(*args)
+
+    monkeypatch.setattr(lowbit_model, "read_gguf", slow_read)
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(lowbit_model.gguf_weights(entry, path, model.config)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 2 and len(calls) == 1
+    assert results[0].summary == results[1].summary == "Q4_0×8 Q4_1×6 Q8_0×1"
+    assert (entry / lowbit_model.CACHE_FILE).exists()

@@ -5,6 +5,7 @@ normal start, and an idle stop in under a second."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -39,85 +40,68 @@ def test_the_engine_alone_refuses_it_too(tiny_model_dir, tmp_path):
     assert "--kv-num-blocks 4 holds 64 tokens" in done.stderr and "at least 8 blocks" in done.stderr
 
 
-def _serve_log_test(tmp_path, tiny_model_dir, *extra: str):
-    """A ``tickserve serve`` at the info level, its output in a file: ``(proc, base, port)``."""
-    port = free_port()
-    group = ProcessGroup(tmp_path)
-    serve = group.spawn(["-m", "shared.cli", "serve", str(tiny_model_dir), "--port", str(port), "--device", "cpu",
-                         "--dtype", "float32", "--torch-threads", "1", "--data-parallel-size", "2",
-                         "--log-stats-interval-s", "0.5", *extra], "serve")
-    return group, serve, f"http://127.0.0.1:{port}", port
+def test_the_request_line_and_its_switch(smol_tokenizer, caplog):
+    """In process: a generation's line carries its usage, a 404 has one with dashes, a
+    probe's 200 from /health none; --disable-log-requests (or vLLM's
+    --disable-uvicorn-access-log) leaves every request without a line."""
+    from starlette.testclient import TestClient
+
+    from frontend.app import create_app
+    from shared.config import FrontendConfig
+    from tests.test_serving_root import RecordingEngine
+
+    def lines(**config) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tickserve.request"):
+            with TestClient(create_app(FrontendConfig(**config), smol_tokenizer, "m", client=RecordingEngine())) as http:
+                assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+                assert http.get("/no/such/path").status_code == 404
+                assert http.get("/health").status_code == 200
+        return [r.getMessage() for r in caplog.records if r.name == "tickserve.request"]
+
+    logged = lines()
+    assert len(logged) == 2, logged
+    assert '"POST /v1/completions" 200 prompt_tokens=1 completion_tokens=2 ttft=' in logged[0]
+    assert "request_id=r1" in logged[0]
+    assert '"GET /no/such/path" 404 prompt_tokens=- completion_tokens=- ttft=-' in logged[1]
+    assert lines(disable_log_requests=True) == []
+    assert lines(disable_uvicorn_access_log=True) == []
 
 
-def test_serve_says_ready_logs_each_request_and_its_work_then_stops_in_under_a_second(tmp_path, tiny_model_dir):
-    group, serve, base, port = _serve_log_test(tmp_path, tiny_model_dir)
-    try:
-        line = f"tickserve ready: http://127.0.0.1:{port} (dashboard http://127.0.0.1:{port}/dashboard)"
-        wait_for(lambda: line in serve.output() or not serve.alive(), 180, what="the ready line")
-        assert serve.alive(), serve.output()[-3000:]
-        before_ready = serve.output().split(line)[0]
-        assert http_json(f"{base}/version")[1]["num_engines_up"] == 2  # printed once both engines are warm
-        status, body, _ = http_json(f"{base}/v1/completions", {"prompt": "Hello there", "max_tokens": 400,
-                                                               "ignore_eos": True, "temperature": 0})
-        assert status == 200
-        usage = body["usage"]
-        assert http_json(f"{base}/v1/completions", {"prompt": "x", "max_tokens": -1})[0] == 400
-        assert http_json(f"{base}/no/such/path")[0] == 404
-        wait_for(lambda: "/no/such/path" in serve.output(), 10, what="the 404's line")
-        out = serve.output()
-        ok = [ln for ln in out.splitlines() if '"POST /v1/completions" 200' in ln]
-        assert len(ok) == 1, out[-3000:]
-        assert f"prompt_tokens={usage['prompt_tokens']} completion_tokens={usage['completion_tokens']}" in ok[0]
-        assert re.search(r"ttft=\d+\.\d{3}s latency=\d+\.\d{3}s request_id=\S+-\d+", ok[0]), ok[0]
-        assert any('"POST /v1/completions" 400' in ln and "completion_tokens=-" in ln for ln in out.splitlines())
-        assert any('"GET /no/such/path" 404' in ln for ln in out.splitlines())
-        # while the 400 tokens ran, a stats line; none before any work
-        stats_lines = [ln for ln in out.splitlines() if "tickserve.stats" in ln]
-        assert stats_lines and all("KV usage:" in ln and "tokens/s" in ln for ln in stats_lines), out[-3000:]
-        assert not [ln for ln in before_ready.splitlines() if "tickserve.stats" in ln]
-        assert "/health" not in before_ready  # the ready line's probes add no line
-        # a normal start warns about nothing
-        assert not [ln for ln in before_ready.splitlines() if " WARNING " in ln or " ERROR " in ln], before_ready
-        # idle again: the stats line stops (one closing line at most), and the stop is quick
-        wait_for(lambda: "running: 0 reqs, waiting: 0 reqs" in serve.output(), 30, what="the closing stats line")
-        time.sleep(1.5)
-        quiet = serve.output()
-        time.sleep(1.5)
-        assert serve.output().count("tickserve.stats") == quiet.count("tickserve.stats")
-        started = time.monotonic()
-        serve.popen.send_signal(signal.SIGTERM)
-        assert serve.popen.wait(30) == 0
-        took = time.monotonic() - started
-        # under a second on an idle 2-core host (it took 4-12 s); a loaded one may be slower
-        assert took < 2.5, f"an idle stop took {took:.2f} s:\n{serve.output()[-3000:]}"
-    finally:
-        group.close()
+def test_the_stats_line_is_written_while_there_is_work_and_once_after():
+    from frontend.stats_log import StatsLog
+
+    current: list = [None]
+    log = StatsLog(lambda: current[0])
+    assert log.tick() is None  # no broadcast yet
+    idle = {"num_active": 0, "num_prefilling": 0, "num_pending": 0, "num_waiting": 0,
+            "blocks": {"num_used_blocks": 0, "num_blocks": 100}, "window": {"output_tokens_per_s": 0.0}}
+    current[0] = idle
+    assert log.tick() is None  # idle: silent
+    current[0] = {**idle, "num_active": 3, "num_prefilling": 1, "num_pending": 2, "num_waiting": 1,
+                  "blocks": {"num_used_blocks": 25, "num_blocks": 100}, "window": {"output_tokens_per_s": 41.25}}
+    assert log.tick() == ("running: 4 reqs, waiting: 3 reqs, KV usage: 25.0% (25 of 100 blocks), "
+                          "generation: 41.2 tokens/s")
+    current[0] = idle
+    assert log.tick().startswith("running: 0 reqs, waiting: 0 reqs")  # the work's end, once
+    assert log.tick() is None and log.tick() is None
 
 
-def test_disable_log_requests_turns_the_line_off(tmp_path, tiny_model_dir):
-    group, serve, base, port = _serve_log_test(tmp_path, tiny_model_dir, "--disable-log-requests",
-                                               "--disable-log-stats", "--data-parallel-size", "1")
-    try:
-        wait_for(lambda: "tickserve ready:" in serve.output() or not serve.alive(), 180, what="the ready line")
-        assert http_json(f"{base}/v1/completions", {"prompt": "Hi", "max_tokens": 4})[0] == 200
-        assert http_json(f"{base}/no/such/path")[0] == 404
-        time.sleep(1.0)
-        out = serve.output()
-        assert "tickserve.request" not in out and "tickserve.stats" not in out, out[-2000:]
-    finally:
-        group.close()
-
-
-def test_make_run_s_demo_answer_is_not_cut_by_server_lines(tmp_path, tiny_model_dir):
-    """``tools/run_and_demo.sh`` shows the start-up up to the ready line, then the answer
-    alone (the server's lines wait in its log), then the server's lines again."""
+def test_make_run_says_ready_shows_the_answer_alone_logs_each_request_and_stops_in_under_a_second(
+        tmp_path, tiny_model_dir):
+    """``tools/run_and_demo.sh`` on two engines: the start-up up to the ready line (printed
+    once both engines are warm, after no warning), then the demo's answer alone (the
+    server's lines wait in its log), then one line per request, stats lines while there is
+    work and none when idle, and an idle stop in under a second."""
     port = free_port()
     log = tmp_path / "server.log"
+    base = f"http://127.0.0.1:{port}"
     script = subprocess.Popen(["bash", str(REPO / "tools" / "run_and_demo.sh")], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
                               env={**_env(), "PORT": str(port), "HOST": "127.0.0.1", "PY": sys.executable,
                                    "MODEL": str(tiny_model_dir), "LOG": str(log), "TICKSERVE_DEVICE": "cpu",
-                                   "TICKSERVE_DATA_PARALLEL_SIZE": "1", "TICKSERVE_TORCH_THREADS": "1"})
+                                   "TICKSERVE_DTYPE": "float32", "TICKSERVE_DATA_PARALLEL_SIZE": "2",
+                                   "TICKSERVE_TORCH_THREADS": "1", "TICKSERVE_LOG_STATS_INTERVAL_S": "0.5"})
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 240
@@ -125,17 +109,64 @@ def test_make_run_s_demo_answer_is_not_cut_by_server_lines(tmp_path, tiny_model_
             lines.append(line)
             if line.startswith("the server's output from here on") or time.monotonic() > deadline:
                 break
-        out = "".join(lines)
-        assert "tickserve ready: " in out, out[-3000:]
-        answer = out.split("tickserve ready: ", 1)[1].split("tickserve is serving on", 1)[0]
-        assert "> Write a haiku" in answer and "chunks, time to first token" in answer, out[-3000:]
+        shown = "".join(lines)
+        ready = f"tickserve ready: {base} (dashboard {base}/dashboard)"
+        assert ready in shown, shown[-3000:]
+        before_ready, after_ready = shown.split(ready, 1)
+        answer = after_ready.split("tickserve is serving on", 1)[0]
+        assert "> Write a haiku" in answer and "chunks, time to first token" in answer, shown[-3000:]
         assert not re.search(r"\d\d:\d\d:\d\d,\d{3} \S+ (INFO|WARNING|ERROR|DEBUG)", answer), answer
-        wait_for(lambda: '"POST /v1/chat/completions" 200' in log.read_text(), 30, what="the demo's request line")
-    finally:
+        assert not [ln for ln in before_ready.splitlines() if " WARNING " in ln or " ERROR " in ln], before_ready
+        assert "tickserve.stats" not in before_ready and "/health" not in before_ready  # no work, no probes' lines
+        assert http_json(f"{base}/health")[1]["num_engines_up"] == 2  # printed once both engines were warm
+
+        status, body, _ = http_json(f"{base}/v1/completions", {"prompt": "Hello there", "max_tokens": 400,
+                                                               "ignore_eos": True, "temperature": 0})
+        assert status == 200
+        usage = body["usage"]
+        assert http_json(f"{base}/v1/completions", {"prompt": "x", "max_tokens": -1})[0] == 400
+        assert http_json(f"{base}/no/such/path")[0] == 404
+        wait_for(lambda: "/no/such/path" in log.read_text(), 10, what="the 404's line")
+        out = log.read_text()
+        assert any('"POST /v1/chat/completions" 200' in ln for ln in out.splitlines())  # the demo's
+        ok = [ln for ln in out.splitlines() if '"POST /v1/completions" 200' in ln]
+        assert len(ok) == 1, out[-3000:]
+        assert f"prompt_tokens={usage['prompt_tokens']} completion_tokens={usage['completion_tokens']}" in ok[0]
+        assert re.search(r"ttft=\d+\.\d{3}s latency=\d+\.\d{3}s request_id=\S+-\d+", ok[0]), ok[0]
+        assert any('"POST /v1/completions" 400' in ln and "completion_tokens=-" in ln for ln in out.splitlines())
+        assert any('"GET /no/such/path" 404' in ln for ln in out.splitlines())
+        stats_lines = [ln for ln in out.splitlines() if "tickserve.stats" in ln]  # while the 400 tokens ran
+        assert stats_lines and all("KV usage:" in ln and "tokens/s" in ln for ln in stats_lines), out[-3000:]
+        wait_for(lambda: "running: 0 reqs, waiting: 0 reqs" in log.read_text(), 30, what="the closing stats line")
+        time.sleep(1.5)
+        quiet = log.read_text().count("tickserve.stats")
+        time.sleep(1.5)
+        assert log.read_text().count("tickserve.stats") == quiet  # idle: silent
+        started = time.monotonic()
         os.killpg(script.pid, signal.SIGTERM)
-        try:
-            assert script.wait(30) == 0
-        finally:
-            if script.poll() is None:
-                os.killpg(script.pid, signal.SIGKILL)
-                script.wait(5)
+        assert script.wait(30) == 0
+        took = time.monotonic() - started
+        # under a second on an idle 2-core host (it took 4-12 s); a loaded one may be slower
+        assert took < 2.5, f"an idle stop took {took:.2f} s:\n{log.read_text()[-3000:]}"
+    finally:
+        if script.poll() is None:
+            os.killpg(script.pid, signal.SIGKILL)
+            script.wait(5)
+
+
+def test_a_frontend_without_an_engine_logs_each_503_and_waits_without_a_warning(tmp_path, tiny_model_dir):
+    group = ProcessGroup(tmp_path)
+    port = free_port()
+    run = tmp_path / "run"
+    run.mkdir()
+    try:
+        fe = group.frontend(tiny_model_dir, run, port, log_level="info")
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: http_json(f"{base}/health", timeout=2)[0] == 503, 60, 0.2, "the frontend answering")
+        assert http_json(f"{base}/v1/completions", {"prompt": "Hi", "max_tokens": 4})[0] == 503
+        wait_for(lambda: '"POST /v1/completions" 503' in fe.output(), 10, what="the 503's line")
+        wait_for(lambda: "waiting for an engine" in fe.output(), 15, what="the waiting line")
+        waiting = [ln for ln in fe.output().splitlines() if "waiting for an engine" in ln]
+        assert all(" INFO " in ln for ln in waiting), waiting  # no engine has been up yet: news, not a warning
+    finally:
+        group.close()

@@ -61,8 +61,37 @@ def test_stream_starts_with_retry_and_sends_each_publication():
 
     frames = asyncio.run(main())
     assert frames[0] == "retry: 1000\n\n"
-    actives = [json.loads(parse(f)["data"])["stats"]["num_active"] for f in frames[1:]]
+    assert parse(frames[1])["event"] == "history"
+    actives = [json.loads(parse(f)["data"])["stats"]["num_active"] for f in frames[2:]]
     assert actives == [1, 2, 3, 4]
+
+
+def test_a_new_viewer_gets_the_last_minute_one_point_a_second():
+    """A dashboard opened now draws the minute before it (it used to start empty)."""
+    wall = [1000.0]
+    hub = StatsHub(Engine().status, wall=lambda: wall[0])
+    for i in range(300):  # 75 s of broadcasts, four a second
+        hub.update({"engine_id": "e1", "num_active": i, "window": {"output_tokens_per_s": 2.0 * i},
+                    "runtime": {"device": "cpu"}})
+        wall[0] += 0.25
+    history = json.loads(parse(hub.history_frame())["data"])
+    points = history["points"]
+    assert history["now"] == wall[0] and 58 <= len(points) <= 60
+    assert all(wall[0] - p["t"] <= 60 for p in points)
+    assert all(b["t"] - a["t"] >= 1.0 for a, b in zip(points, points[1:]))  # one a second, oldest first
+    assert points[-1]["num_active"] == 296 and points[-1]["window"]["output_tokens_per_s"] == 592.0
+    assert "runtime" not in points[-1]  # only what the charts draw
+
+
+def test_sessions_without_an_id_are_one_row_across_engines():
+    from frontend.dashboard import merge_sessions
+
+    rows = merge_sessions([{"session": None, "tokens_per_s": 3.0, "vtc_counter": 10.0},
+                           {"session": "a", "tokens_per_s": 1.0, "vtc_counter": 4.0},
+                           {"session": None, "tokens_per_s": 2.0, "vtc_counter": 5.0},
+                           {"session": "", "tokens_per_s": 1.0, "vtc_counter": None}])
+    assert rows == [{"session": None, "tokens_per_s": 6.0, "vtc_counter": 15.0},
+                    {"session": "a", "tokens_per_s": 1.0, "vtc_counter": 4.0}]
 
 
 def test_rate_limit_bounds_events_per_viewer_whatever_the_publication_rate():

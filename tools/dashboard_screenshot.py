@@ -1,7 +1,8 @@
 """Screenshot of /dashboard under load, for the README (``docs/dashboard.png``).
 
-Starts ``tickserve serve`` on the default model with the fair policy (or uses
-``--url``), sends a steady load from a few sessions of different appetites (streaming
+Starts ``tickserve serve`` on the default model with its defaults (bfloat16 where the CPU
+has it, fcfs, shared memory, one engine per core), a small queue so that the gates have
+work (or uses ``--url``), sends a steady load from a few sessions of different appetites (streaming
 completions, ``ignore_eos``), plus a burst past the queue so the gates have something to
 show, waits ``--warm-s`` seconds for the charts to fill, and saves a screenshot taken by
 headless Chromium (Debian's ``chromium`` + ``chromium-driver``, driven by selenium).
@@ -35,7 +36,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(bc.REPO / "docs" / "dashboard.png"))
     ap.add_argument("--url", help="use this running server (loopback only)")
-    ap.add_argument("--server-args", default="--policy fair --max-batch-size 8 --max-queue-size 8",
+    ap.add_argument("--server-args", default="--max-queue-size 12",
                     help="extra flags for `tickserve serve`")
     ap.add_argument("--warm-s", type=float, default=40.0, help="seconds of load before the screenshot")
     ap.add_argument("--max-tokens", type=int, default=48)
