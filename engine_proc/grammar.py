@@ -4,8 +4,8 @@ batch's token bitmask.
 :class:`GrammarCache` compiles a :class:`~shared.constraints.Constraint` on its own
 worker thread (never the tick thread), keyed by the constraint's hash, and hands the
 scheduler a future; a request waits in ``_pending`` until its future is done. The
-tokenizer that llguidance needs is loaded on that thread too, at the first
-constrained request, so an engine that never sees one never loads it.
+tokenizer that llguidance needs is built once (the engine builds it in its warm-up,
+before serving; otherwise the first compile does).
 
 Each constrained row owns a :class:`RowGrammar` (a copy of the compiled template
 matcher) that is advanced with every token the row accepts. Per step,
