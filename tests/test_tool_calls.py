@@ -117,7 +117,7 @@ def test_the_tool_template_renders_tools_calls_and_results(smol_tokenizer):
     text = smol_tokenizer.apply_chat_template(
         tool_calls.conversation(body.messages), tokenize=False, add_generation_prompt=True,
         chat_template=tool_calls.TOOL_TEMPLATE.read_text(), tools=[t.model_dump(exclude_none=True) for t in body.tools])
-    tools_part = text[text.index("<tools>"):text.index("</tools>")]
+    tools_part = text[text.index("<tools>\n"):text.index("\n</tools>")]
     assert '"name": "get_weather"' in tools_part and '"name": "noop"' in tools_part
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
     assert text.count("<|im_start|>tool") == 1  # consecutive results share one tool turn
