@@ -156,3 +156,22 @@ def test_the_tool_settings():
     assert cfg.build(cfg.FrontendConfig, args).enable_auto_tool_choice is False
     with pytest.raises(SystemExit):
         parser.parse_args(["--enable-auto-tool-choice", "maybe"])
+
+
+def test_chat_template_file_replaces_the_models_template_for_every_chat(tmp_path, smol_tokenizer):
+    from frontend.context import Frontend
+    from frontend.params import chat_prompt
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m['role'] }}|{{ m['content'] }}]{% endfor %}"
+                    "{% if tools %}{{ tools | length }} tools{% endif %}")
+    fe = Frontend(cfg.FrontendConfig(chat_template=str(path)), smol_tokenizer, None, "m")
+    plain = _chat()
+    assert chat_prompt(fe, plain.messages).text == "[user|hi]"
+    with_tools = _chat(tools=_tools())
+    assert chat_prompt(fe, with_tools.messages, tools=[t.model_dump() for t in with_tools.tools],
+                       tool_template=True).text == "[user|hi]2 tools"
+    default = Frontend(cfg.FrontendConfig(), smol_tokenizer, None, "m")
+    assert chat_prompt(default, plain.messages).text.startswith("<|im_start|>system\nYou are a helpful")
+    assert "<tools>" in chat_prompt(default, with_tools.messages, tools=[t.model_dump() for t in with_tools.tools],
+                                    tool_template=True).text
