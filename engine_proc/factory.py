@@ -149,7 +149,11 @@ def configure_torch(config: cfg.EngineConfig) -> None:
 def warm_up(scheduler: Scheduler) -> None:
     """One short prefill and two decode steps through the backend before any frontend can
     connect: kernels are built and first-call costs paid, so the engine that says hello
-    (and makes /health 200) serves its first request at speed."""
+    (and makes /health 200) serves its first request at speed. The grammar compiler's
+    tokenizer is built here too: built while serving, it would hold the GIL long enough
+    to delay the engine's heartbeats, and a first constrained request's TTFT."""
+    if scheduler.grammars is not None:  # structured outputs' tokenizer (~1 s, holds the GIL): not mid-serving
+        scheduler.grammars.tokenizer()
     pool, backend, row = scheduler.block_pool, scheduler.backend, "__warm_up__"
     ids = [1] * 8
     pool.allocate(row, [], len(ids) + 2)

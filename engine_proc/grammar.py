@@ -4,15 +4,15 @@ batch's token bitmask.
 :class:`GrammarCache` compiles a :class:`~shared.constraints.Constraint` on its own
 worker thread (never the tick thread), keyed by the constraint's hash, and hands the
 scheduler a future; a request waits in ``_pending`` until its future is done. The
-tokenizer that llguidance needs is loaded on that thread too, at the first
-constrained request, so an engine that never sees one never loads it.
+tokenizer that llguidance needs is built once (the engine builds it in its warm-up,
+before serving; otherwise the first compile does).
 
 Each constrained row owns a :class:`RowGrammar` (a copy of the compiled template
 matcher) that is advanced with every token the row accepts. Per step,
 :func:`fill_bitmask` writes the allowed tokens of every constrained row into one
 ``[rows, ceil(vocab / 32)]`` int32 bitmask and :func:`apply_bitmask` sets the logits of
-every disallowed token to ``-inf`` in one masked fill (plain torch ops: any float dtype,
-any device, no compile step). Rows without a constraint are not touched, and a batch
+every disallowed token to ``-inf`` in one masked fill (plain torch and numpy ops: any
+float dtype, any device, no compile step). Rows without a constraint are not touched, and a batch
 without one does none of this.
 """
 
@@ -178,23 +178,38 @@ def fill_bitmask(grammars: list[RowGrammar], vocab_size: int) -> Tensor:
 _SHIFTS: dict[torch.device, Tensor] = {}
 
 
-def apply_bitmask(logits: Tensor, rows: list[int], bitmask: Tensor) -> None:
-    """Set ``logits[rows[j], t]`` to ``-inf`` for every token ``t`` that ``bitmask[j]``
-    does not allow, in place.
+def disallowed_mask(bitmask: Tensor, vocab_size: int, device: torch.device) -> Tensor:
+    """``[n, vocab_size]`` bool on ``device``: True where ``bitmask`` forbids the token.
 
-    ``logits``: ``[batch, vocab]``, any float dtype; ``rows``: ``n`` distinct row indices
-    in increasing order;
-    ``bitmask``: ``[n, ceil(vocab / 32)]`` int32 (from :func:`fill_bitmask`).
-    """
-    vocab = logits.shape[1]
-    device = logits.device
+    On the CPU, numpy's ``unpackbits`` of the inverted words (one pass over bytes; the
+    bool array is a zero-copy view of its 0/1 output); elsewhere, shifts and masks in
+    torch on the device."""
+    if device.type == "cpu":
+        import numpy as np
+
+        bits = np.unpackbits((~bitmask).numpy().view(np.uint8), axis=1, count=vocab_size, bitorder="little")
+        return torch.from_numpy(bits).view(torch.bool)
     shifts = _SHIFTS.get(device)
     if shifts is None:
         shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
     words = bitmask.to(device, non_blocking=True)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).reshape(words.shape[0], -1)[:, :vocab].bool()
+    bits = ((words.unsqueeze(-1) >> shifts) & 1).reshape(words.shape[0], -1)[:, :vocab_size]
+    return bits == 0
+
+
+def apply_bitmask(logits: Tensor, rows: list[int], bitmask: Tensor) -> None:
+    """Set ``logits[rows[j], t]`` to ``-inf`` for every token ``t`` that ``bitmask[j]``
+    does not allow, in place: one masked fill for all the rows.
+
+    ``logits``: ``[batch, vocab]``, any float dtype; ``rows``: ``n`` distinct row indices
+    in increasing order; ``bitmask``: ``[n, ceil(vocab / 32)]`` int32 on the CPU (from
+    :func:`fill_bitmask`). No ``torch.compile`` (llguidance's own helper is compiled, and
+    its first call took 57 s on the 2-core benchmark host).
+    """
+    vocab = logits.shape[1]
+    forbidden = disallowed_mask(bitmask, vocab, logits.device)
     if len(rows) == logits.shape[0]:  # every row is constrained
-        logits.masked_fill_(~allowed, float("-inf"))
+        logits.masked_fill_(forbidden, float("-inf"))
         return
-    idx = torch.tensor(rows, dtype=torch.int64, device=device)
-    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(forbidden, float("-inf"))

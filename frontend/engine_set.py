@@ -43,7 +43,8 @@ log = logging.getLogger("tickserve.frontend")
 
 SUMMED = ("num_pending", "num_prefilling", "num_active", "batch_size", "max_batch_size", "active_kv_reserved",
           "kv_budget_tokens", "kv_admit_blocked", "num_generated_tokens", "num_finished", "num_aborted",
-          "num_rejected", "num_ticks", "num_waiting", "bad_frames")
+          "num_rejected", "num_ticks", "num_waiting", "bad_frames", "num_awaiting_grammar", "grammars_compiled",
+          "grammars_failed")
 
 
 class Member:

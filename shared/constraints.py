@@ -112,8 +112,8 @@ def grammar_source(constraint: Constraint) -> str:
         if kind is ConstraintKind.CHOICE:
             return llguidance.grammar_from("choice", text)
         return llguidance.grammar_from("grammar", text)  # Lark, or GBNF converted to Lark
-    except (ValueError, TypeError, RecursionError) as exc:
-        raise ConstraintError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - ValueError mostly; GBNF conversion may raise others
+        raise ConstraintError(str(exc) or type(exc).__name__) from None
 
 
 def grammar_problem(constraint: Constraint, tokenizer=None) -> str | None:
@@ -125,7 +125,10 @@ def grammar_problem(constraint: Constraint, tokenizer=None) -> str | None:
         grammar = grammar_source(constraint)
     except ConstraintError as exc:
         return str(exc)[:500]
-    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    try:
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    except Exception as exc:  # noqa: BLE001 - whatever the library raises is this grammar's problem
+        error = f"the grammar does not compile: {exc}"
     if error and not error.startswith("WARNING"):
         return " ".join(error.split())[:500]
     return None

@@ -161,8 +161,9 @@ def test_logprobs_are_of_the_constrained_distribution(sched_factory, smol_tokeni
     out = run_until_idle(sched_factory(), {0: [r]})[r.request_id]
     lps = [lp for o in out for lp in (o.logprobs or [])]
     first = lps[0]
-    allowed = {t for t in first.top_token_ids if not math.isinf(first.top_logprobs[first.top_token_ids.index(t)])}
-    for t in allowed:  # every finite alternative starts one of the choices
+    assert all(not math.isinf(v) for lp in lps for v in lp.top_logprobs)  # forbidden tokens are no alternatives
+    allowed = set(first.top_token_ids)
+    for t in allowed:  # every alternative starts one of the choices
         piece = smol_tokenizer.decode([t])
         assert any(ch.startswith(piece) for ch in choices), piece
     finite = [v for v in first.top_logprobs if not math.isinf(v)]
