@@ -68,7 +68,10 @@ class DecodeTargets:
 
     def __init__(self, spec: str, scheduler):
         self.scheduler = scheduler
-        self.clients = [HandoverClient(t) for t in parse_decode_engines(spec)]
+        bs = scheduler.block_pool.block_size
+        row = -(-scheduler.limits.max_model_len // bs) * scheduler.kv_layout.block_nbytes  # the largest row's KV
+        staging = max(64 << 20, 2 * row + (16 << 20))  # two of them at once, and their metadata
+        self.clients = [HandoverClient(t, staging_bytes=staging) for t in parse_decode_engines(spec)]
         self._in_flight: dict[str, tuple[HandoverClient, str]] = {}  # request id → (client, frontend id)
         self._sent_since_report: dict[int, int] = {}
         self._next_connect = 0.0
@@ -168,7 +171,8 @@ class DecodeTargets:
 
     def stats(self) -> dict:
         return {"decode_engines": [{"target": c.target, "engine_id": c.engine_id, "ready": c.ready,
-                                    "num_rows": c.report.num_rows if c.report else None}
+                                    "num_rows": c.report.num_rows if c.report else None,
+                                    "staged": c.num_staged, "own_memfd": c.num_memfd}
                                    for c in self.clients],
                 "handovers_in_flight": len(self._in_flight), "handovers_failed": self.num_failed}
 
@@ -212,7 +216,9 @@ class HandoverLink:
         """Tick thread: validate and queue a handover, then ack it."""
         received = item.received
         h = received.msg
-        problem = self.scheduler.receive_handover(h, as_tensor(received.payload))
+        server, peer, rid = self.handover_server, received.peer, h.request_id
+        problem = self.scheduler.receive_handover(
+            h, as_tensor(received.payload), release=lambda: server.reply(peer, hw.KVReleased(rid)))
         if problem is None:
             self._live_ids.add(h.request_id)
             self._frontends.setdefault(h.frontend_id, time.monotonic())
