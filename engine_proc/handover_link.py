@@ -94,7 +94,11 @@ class DecodeTargets:
         return False
 
     def _order(self, h: hw.Handover) -> list[HandoverClient]:
-        ready = [c for c in self.clients if c.ready and c.layout == h.layout]
+        # a decode engine holding a batch's worth of handovers it cannot admit yet takes no
+        # more: the row waits here, in its place, and _pending keeps the policy's order
+        ready = [c for c in self.clients if c.ready and c.layout == h.layout and not (
+            c.report is not None and c.report.num_held + self._sent_since_report.get(id(c), 0)
+            >= max(1, c.report.max_batch_size))]
         loads = {id(c): self._load(c) for c in ready}
         ranked = sorted(ready, key=lambda c: loads[id(c)])
         if self.scheduler.config.policy == PolicyName.FAIR.value and h.session_id and len(ready) > 1:

@@ -90,6 +90,14 @@ def test_greedy_tokens_equal_monolithic_and_stats_show_the_roles(disagg, tiny_mo
     assert by_role["prefill"]["handovers"]["count"] >= 6
     assert s["roles"] == {"decode": 1, "prefill": 1} and s["handovers"]["count"] >= 6
     assert httpx.get(f"{base}/version", timeout=10).json()["runtime"]["prefill_mode"] == "disaggregated"
+    metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    decode_id = by_role["decode"]["engine_id"]
+    assert f'tickserve_engine_info{{engine="{decode_id}",role="decode"}} 1.0' in metrics
+    count = next(float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith(f'tickserve_handovers_total{{engine="{decode_id}",role="decode"}}'))
+    assert count >= 6
+    assert f'tickserve_handover_time_ms{{engine="{decode_id}",role="decode",quantile="0.99"}}' in metrics
+    assert "tickserve_engine_kv_pressure_by_engine{" in metrics
     for e in s["engines"]:
         assert e["runtime"]["role"] == e["role"]
         for field in ("kv_pressure", "active_kv_reserved", "kv_admit_blocked"):
