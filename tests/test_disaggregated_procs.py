@@ -150,3 +150,40 @@ def test_killed_prefill_engine_leaves_decoding_rows_streaming(disagg):
     wait_for(lambda: next(e for e in stats(base)["engines"] if e["role"] == "decode")["active_kv_reserved"] == 0,
              30, 0.3, "the decode engine empty")
     assert decode["handovers"]["held"] == 0
+
+
+def test_engines_across_hosts_hand_over_on_tcp(tmp_path, tiny_model_dir):
+    """``tickserve engine --role decode --handover-addr tcp://…`` and ``--role prefill
+    --decode-engines tcp://…`` (the across-hosts layout, on loopback): a frontend given
+    both engines gets the tokens an in-process monolithic engine computes, every row
+    handed over by ZeroMQ."""
+    run = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))
+    group = ProcessGroup(tmp_path)
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    port = free_port()
+    try:
+        group.engine(tiny_model_dir, run / "d", role="decode", handover_addr=addr, max_batch_size=8, transport="zmq")
+        group.engine(tiny_model_dir, run / "p", role="prefill", decode_engines=addr, max_batch_size=8,
+                     transport="zmq")
+        group.frontend(tiny_model_dir, "", port, engine=f"{run / 'p'},{run / 'd'}", transport="zmq")
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_for(lambda: _roles_up(base), 120, 0.3, "both engines up")
+        except TimeoutError:
+            raise AssertionError("\n".join(pr.output()[-3000:] for pr in group.procs))
+        prompts = [_tokens(20, 25), _tokens(21, 60)]
+        with ThreadPoolExecutor(2) as pool:
+            served = list(pool.map(lambda p: _complete(base, p, max_tokens=8)[0], prompts))
+        s = stats(base)
+        prefill = next(e for e in s["engines"] if e["role"] == "prefill")
+        assert prefill["decode_engines"][0]["target"] == addr and prefill["decode_engines"][0]["ready"]
+        assert prefill["handovers"]["count"] == 2
+    finally:
+        group.close()
+        shutil.rmtree(run, ignore_errors=True)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype="float32").eval()
+    reqs = [make_request(p, max_tokens=8, ignore_eos=True) for p in prompts]
+    outs = run_until_idle(make_scheduler(model, prefill_mode="chunked", prefill_chunk_size=16), {0: reqs})
+    assert served == [tokens_of(outs[r.request_id]) for r in reqs]
