@@ -225,6 +225,7 @@ class HandoverLink:
             h, as_tensor(received.payload), release=lambda: server.reply(peer, hw.KVReleased(rid)))
         if problem is None:
             self._live_ids.add(h.request_id)
+            self.stats_window.on_taken_over(h.request_id, h.session_id)
             self._frontends.setdefault(h.frontend_id, time.monotonic())
         else:
             log.warning("refused the handover of %s: %s", h.request_id, problem)
@@ -237,6 +238,7 @@ class HandoverLink:
             return
         for rid in self.scheduler.take_handed_ids():
             self._live_ids.discard(rid)
+            self.stats_window.on_handed_over(rid)
         failures = self.decode_targets.service()
         if failures:
             send(failures)
