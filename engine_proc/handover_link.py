@@ -34,7 +34,8 @@ import torch
 from shared import handover_wire as hw
 from shared import protocol as p
 from shared.config import PolicyName, parse_decode_engines
-from shared.handover_transport import HandoverClient, HandoverServer, Received
+from shared.handover_client import HandoverClient
+from shared.handover_transport import HandoverServer, Received
 
 log = logging.getLogger("tickserve.engine")
 

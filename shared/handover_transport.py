@@ -30,8 +30,9 @@ DEALER per prefill engine; a handover is the multipart ``[b"H", metadata, kv]``,
 other message ``[b"M", frame]``. The same validation applies.
 
 Both ends are driven by one thread each: the prefill side by the engine's tick thread
-(:class:`HandoverClient`, never blocking), the decode side by a listener thread
-(:class:`HandoverServer`, whose replies other threads queue with :meth:`HandoverServer.reply`).
+(:class:`~shared.handover_client.HandoverClient`, never blocking), the decode side by a
+listener thread (:class:`HandoverServer`, whose replies other threads queue with
+:meth:`HandoverServer.reply`).
 """
 
 from __future__ import annotations
@@ -44,8 +45,6 @@ import queue
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Callable
-
 import zmq
 
 from shared import handover_wire as hw
@@ -66,7 +65,8 @@ def socket_path(run_dir: str) -> str:
     return os.path.join(run_dir, SOCKET_NAME)
 
 
-def _kv_offset(meta_len: int) -> int:
+def kv_offset(meta_len: int) -> int:
+    """Where the KV bytes start after ``meta_len`` bytes of metadata (the next 4 KiB)."""
     return -(-meta_len // ALIGN) * ALIGN
 
 
@@ -214,7 +214,7 @@ class HandoverServer:
             if meta_len > hw.MAX_META_BYTES or kv_len > self.max_kv_bytes:
                 raise PeerFault(f"a handover of {meta_len} + {kv_len} bytes exceeds the limits")
             require_seals(fd, FRAME_SEALS, "a handover's memfd")
-            size = _kv_offset(meta_len) + kv_len
+            size = kv_offset(meta_len) + kv_len
             if os.fstat(fd).st_size != size:
                 raise PeerFault("a handover's memfd is not the size announced")
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) if size else None
@@ -226,7 +226,7 @@ class HandoverServer:
         msg = hw.decode(view[:meta_len], "decode")
         if not isinstance(msg, hw.Handover):
             raise PeerFault("a memfd that holds no handover")
-        return Received(peer, msg, view[_kv_offset(meta_len): _kv_offset(meta_len) + kv_len])
+        return Received(peer, msg, view[kv_offset(meta_len): kv_offset(meta_len) + kv_len])
 
     def _map_staging(self, peer: int, data: bytes, fds: list[int]) -> None:
         """A connection's staging area (once). Closes ``fds``. Raises PeerFault."""
@@ -249,13 +249,13 @@ class HandoverServer:
         if area is None or len(data) != STAGED.size:
             raise PeerFault("a staged handover without a staging area")
         _, off, meta_len, kv_len = STAGED.unpack(data)
-        end = off + _kv_offset(meta_len) + kv_len
+        end = off + kv_offset(meta_len) + kv_len
         if meta_len > hw.MAX_META_BYTES or kv_len > self.max_kv_bytes or end > len(area):
             raise PeerFault(f"a staged handover at {off} of {meta_len} + {kv_len} bytes outside its area")
         msg = hw.decode(bytes(area[off: off + meta_len]), "decode")  # a copy: the sender can still write there
         if not isinstance(msg, hw.Handover):
             raise PeerFault("a staged message that is no handover")
-        return Received(peer, msg, area[off + _kv_offset(meta_len): end])
+        return Received(peer, msg, area[off + kv_offset(meta_len): end])
 
     def _recv_tcp(self, out: list[Received]) -> None:
         for _ in range(64):
@@ -315,201 +315,6 @@ class HandoverServer:
                 pass
         if self._router is not None:
             self._router.close(0)
-
-
-class HandoverClient:
-    """A prefill engine's connection to one decode engine (a run directory or
-    ``tcp://HOST:PORT``). Used by one thread; nothing blocks. ``layout`` and
-    ``engine_id`` are known once the decode engine's hello arrived (``ready``)."""
-
-    def __init__(self, target: str, ctx: zmq.Context | None = None, staging_bytes: int = 0):
-        self.target = target
-        self.tcp = target.startswith("tcp://")
-        self._ctx = ctx
-        self._sock = None
-        self.staging_bytes = 0 if self.tcp else staging_bytes
-        self._staging: mmap.mmap | None = None
-        self._extents: dict[str, tuple[int, int]] = {}  # request id → its room in the staging area
-        self.num_staged = 0
-        self.num_memfd = 0
-        self.engine_id = ""
-        self.layout: hw.KVLayout | None = None
-        self.report: hw.DecodeReport | None = None
-
-    @property
-    def ready(self) -> bool:
-        return self._sock is not None and self.layout is not None
-
-    def connect(self) -> bool:
-        """Try to connect (a no-op when connected); True once connected."""
-        if self._sock is not None:
-            return True
-        try:
-            if self.tcp:
-                sock = (self._ctx or zmq.Context.instance()).socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, 64)
-                sock.connect(self.target)
-                sock.send_multipart([b"M", b""])  # so the ROUTER learns of us and greets us
-            else:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                try:
-                    sock.connect(socket_path(self.target))
-                except OSError:
-                    sock.close()
-                    return False
-                sock.setblocking(False)
-                if self.staging_bytes:
-                    self._share_staging(sock)
-        except (zmq.ZMQError, OSError):
-            return False
-        self._sock = sock
-        return True
-
-    def _share_staging(self, sock: socket.socket) -> None:
-        fd = os.memfd_create("tickserve-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, self.staging_bytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, STAGING_SEALS)
-            self._staging = mmap.mmap(fd, self.staging_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            sock.sendmsg([STAGING.pack(b"S", self.staging_bytes)],
-                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-        except OSError:
-            sock.close()
-            self._staging = None
-            raise
-        finally:
-            os.close(fd)
-
-    def _room(self, size: int) -> int | None:
-        """First fit for ``size`` bytes (4 KiB aligned) in the staging area, or None."""
-        if self._staging is None:
-            return None
-        at = 0
-        for off, n in sorted(self._extents.values()):
-            if off - at >= size:
-                return at
-            at = max(at, _kv_offset(off + n))
-        return at if self.staging_bytes - at >= size else None
-
-    def disconnect(self) -> None:
-        if self._sock is not None:
-            self._sock.close(0) if self.tcp else self._sock.close()
-        self._sock = None
-        if self._staging is not None:
-            self._staging.close()
-        self._staging = None
-        self._extents = {}
-        self.layout = None
-        self.engine_id = ""
-        self.report = None
-
-    def receive(self) -> list:
-        """Messages from the decode engine waiting now (hello, acks, reports). Raises
-        ``ConnectionError`` when the connection is gone (then :meth:`disconnect`)."""
-        out = []
-        for _ in range(256):
-            frame = self._recv_one()
-            if frame is None:
-                break
-            try:
-                msg = hw.decode(frame, "prefill")
-            except DecodeError:
-                continue
-            if isinstance(msg, hw.DecodeHello):
-                self.engine_id, self.layout = msg.engine_id, msg.layout
-            elif isinstance(msg, hw.DecodeReport):
-                self.report = msg
-            elif isinstance(msg, hw.KVReleased):
-                self._extents.pop(msg.request_id, None)
-            out.append(msg)
-        return out
-
-    def _recv_one(self) -> bytes | None:
-        if self._sock is None:
-            return None
-        if self.tcp:
-            try:
-                parts = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return None
-            return parts[1] if len(parts) == 2 and parts[0] == b"M" else None
-        try:
-            data = self._sock.recv(MAX_SMALL, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return None
-        except OSError as exc:
-            raise ConnectionError(str(exc)) from None
-        if not data:
-            raise ConnectionError("the decode engine closed its handover socket")
-        return data[1:] if data[:1] == b"M" else None
-
-    def send(self, msg) -> None:
-        """A small message (a HandoverAbort). Raises ``ConnectionError``."""
-        frame = hw.encode(msg)
-        try:
-            if self.tcp:
-                self._sock.send_multipart([b"M", frame], zmq.NOBLOCK)
-            else:
-                self._sock.send(b"M" + frame, socket.MSG_DONTWAIT)
-        except (OSError, zmq.ZMQError, AttributeError) as exc:
-            raise ConnectionError(str(exc)) from None
-
-    def send_handover(self, h: hw.Handover, fill: Callable[[memoryview], None]) -> None:
-        """Send ``h`` with its KV, which ``fill(view)`` writes into a writable view of
-        ``h.kv_bytes`` bytes. Raises ``ConnectionError`` (nothing was delivered)."""
-        meta = hw.encode(h)
-        if self.tcp:
-            kv = bytearray(h.kv_bytes)
-            fill(memoryview(kv))
-            try:
-                self._sock.send_multipart([b"H", meta, kv], zmq.NOBLOCK, copy=False)
-            except (zmq.ZMQError, AttributeError) as exc:
-                raise ConnectionError(str(exc)) from None
-            return
-        off = _kv_offset(len(meta))
-        size = off + h.kv_bytes
-        at = self._room(size)
-        if at is not None:
-            self._staging[at: at + len(meta)] = meta
-            view = memoryview(self._staging)
-            part = view[at + off: at + size]
-            try:
-                fill(part)
-            finally:
-                part.release()
-                view.release()
-            try:
-                self._sock.sendmsg([STAGED.pack(b"P", at, len(meta), h.kv_bytes)], [], socket.MSG_DONTWAIT)
-            except (OSError, AttributeError) as exc:
-                raise ConnectionError(str(exc)) from None
-            self._extents[h.request_id] = (at, size)
-            self.num_staged += 1
-            return
-        self.num_memfd += 1
-        fd = os.memfd_create("tickserve-handover", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            try:
-                mm[:len(meta)] = meta
-                view = memoryview(mm)
-                part = view[off:size]
-                try:
-                    fill(part)
-                finally:
-                    part.release()
-                    view.release()
-            finally:
-                mm.close()
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, FRAME_SEALS)
-            self._sock.sendmsg([HEADER.pack(b"H", len(meta), h.kv_bytes)],
-                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))],
-                               socket.MSG_DONTWAIT)
-        except (OSError, AttributeError) as exc:
-            raise ConnectionError(str(exc)) from None
-        finally:
-            os.close(fd)
 
 
 def _fds_of(ancdata) -> list[int]:

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from shared import handover_wire as hw
-from shared.handover_transport import HEADER, HandoverClient, HandoverServer, socket_path
+from shared.handover_client import HandoverClient
+from shared.handover_transport import HEADER, HandoverServer, socket_path
 from shared.protocol import RequestOutput, SamplingParams
 from tests.procs import free_port
 

@@ -107,7 +107,8 @@ def run_handover(args) -> dict:
     from engine_proc.handover_link import as_tensor
     from engine_proc.kv_cache import PagedKVCache
     from shared import handover_wire as hw
-    from shared.handover_transport import HandoverClient, HandoverServer
+    from shared.handover_client import HandoverClient
+    from shared.handover_transport import HandoverServer
     from shared.protocol import RequestOutput, SamplingParams
 
     dtype = pick_dtype("auto", torch.device("cpu"))
