@@ -90,13 +90,23 @@ def test_greedy_tokens_equal_monolithic_and_stats_show_the_roles(disagg, tiny_mo
     assert by_role["prefill"]["handovers"]["count"] >= 6
     assert s["roles"] == {"decode": 1, "prefill": 1} and s["handovers"]["count"] >= 6
     assert httpx.get(f"{base}/version", timeout=10).json()["runtime"]["prefill_mode"] == "disaggregated"
+    # a stop string (the frontend's: it aborts the row, wherever it decodes)
+    status, body, _ = http_json(f"{base}/v1/completions", {"prompt": prompts[1], "max_tokens": 12,
+                                                           "temperature": 0, "ignore_eos": True}, timeout=120)
+    text = body["choices"][0]["text"]
+    stop = next(text[i: i + 3] for i in range(len(text) // 2, len(text) - 2) if text[i: i + 3].strip())
+    status, body, _ = http_json(f"{base}/v1/completions", {"prompt": prompts[1], "max_tokens": 12,
+                                                           "temperature": 0, "ignore_eos": True, "stop": [stop]},
+                                timeout=120)
+    assert status == 200 and body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["text"] == text[:text.index(stop)]
     metrics = httpx.get(f"{base}/metrics", timeout=10).text
     decode_id = by_role["decode"]["engine_id"]
     assert f'tickserve_engine_info{{engine="{decode_id}",role="decode"}} 1.0' in metrics
     count = next(float(line.split()[-1]) for line in metrics.splitlines()
                  if line.startswith(f'tickserve_handovers_total{{engine="{decode_id}",role="decode"}}'))
     assert count >= 6
-    assert f'tickserve_handover_time_ms{{engine="{decode_id}",role="decode",quantile="0.99"}}' in metrics
+    assert f'tickserve_handover_time_ms{{engine="{decode_id}",quantile="0.99",role="decode"}}' in metrics
     assert "tickserve_engine_kv_pressure_by_engine{" in metrics
     for e in s["engines"]:
         assert e["runtime"]["role"] == e["role"]
