@@ -34,7 +34,7 @@ import torch
 from shared import handover_wire as hw
 from shared import protocol as p
 from shared.config import PolicyName, parse_decode_engines
-from shared.handover_client import HandoverClient
+from shared.handover_client import Busy, HandoverClient
 from shared.handover_transport import HandoverServer, Received
 
 log = logging.getLogger("tickserve.engine")
@@ -85,6 +85,8 @@ class DecodeTargets:
         for client in self._order(h):
             try:
                 client.send_handover(h, lambda view: fill(as_tensor(view)))
+            except Busy:
+                continue  # the next one, or the row waits a tick
             except ConnectionError as exc:
                 log.warning("decode engine %s: handover failed (%s); trying another", client.target, exc)
                 self._lost(client, str(exc))

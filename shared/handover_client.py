@@ -19,6 +19,11 @@ from shared.handover_transport import (HEADER, MAX_SMALL, STAGED, STAGING, STAGI
 from shared.shm_ring import FRAME_SEALS
 
 
+class Busy(Exception):
+    """The decode engine cannot take a handover right now (its socket or queue is full);
+    the connection is fine."""
+
+
 class HandoverClient:
     """A prefill engine's connection to one decode engine (a run directory or
     ``tcp://HOST:PORT``). Used by one thread; nothing blocks. ``layout`` and
@@ -159,13 +164,16 @@ class HandoverClient:
 
     def send_handover(self, h: hw.Handover, fill: Callable[[memoryview], None]) -> None:
         """Send ``h`` with its KV, which ``fill(view)`` writes into a writable view of
-        ``h.kv_bytes`` bytes. Raises ``ConnectionError`` (nothing was delivered)."""
+        ``h.kv_bytes`` bytes. Raises :class:`Busy` when the connection cannot take it now
+        and ``ConnectionError`` when it is gone (either way nothing was delivered)."""
         meta = hw.encode(h)
         if self.tcp:
             kv = bytearray(h.kv_bytes)
             fill(memoryview(kv))
             try:
                 self._sock.send_multipart([b"H", meta, kv], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                raise Busy("the decode engine's queue is full") from None
             except (zmq.ZMQError, AttributeError) as exc:
                 raise ConnectionError(str(exc)) from None
             return
@@ -183,6 +191,8 @@ class HandoverClient:
                 view.release()
             try:
                 self._sock.sendmsg([STAGED.pack(b"P", at, len(meta), h.kv_bytes)], [], socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                raise Busy("the decode engine's socket is full") from None
             except (OSError, AttributeError) as exc:
                 raise ConnectionError(str(exc)) from None
             self._extents[h.request_id] = (at, size)
@@ -208,6 +218,8 @@ class HandoverClient:
             self._sock.sendmsg([HEADER.pack(b"H", len(meta), h.kv_bytes)],
                                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))],
                                socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            raise Busy("the decode engine's socket is full") from None
         except (OSError, AttributeError) as exc:
             raise ConnectionError(str(exc)) from None
         finally:

@@ -348,3 +348,21 @@ def test_decode_reports_charge_vtc_on_the_prefill_side_and_full_engines_take_not
     sched.step()
     assert [h.request_id for h in free.sent] == [req.request_id, other.request_id]
     assert free.sent[1].first_output.token_ids and sched.active_kv_reserved == 0
+
+
+def test_a_handover_that_fails_to_adopt_fails_only_its_row(tiny_llama, monkeypatch):
+    """Copying a held row's KV in raises: that row ends with an error, its blocks and
+    reservation are back, and the next handover decodes."""
+    pair = Pair(tiny_llama)
+    frame, payload = _frame(pair)
+    cache = pair.decode.backend.cache
+    real = cache.copy_blocks_in
+    monkeypatch.setattr(cache, "copy_blocks_in", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert pair.decode.receive_handover(frame, payload) is None
+    outs = run_until_idle(pair.decode)
+    assert outs[frame.request_id][-1].finish_reason is FinishReason.ERROR and "boom" in outs[frame.request_id][-1].error
+    assert pair.decode.block_pool.num_used_blocks == 0 and pair.decode.active_kv_reserved == 0
+    monkeypatch.setattr(cache, "copy_blocks_in", real)
+    frame2, payload2 = _frame(pair)
+    assert pair.decode.receive_handover(frame2, payload2) is None
+    assert len(tokens_of(run_until_idle(pair.decode)[frame2.request_id])) == 5
