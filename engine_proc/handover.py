@@ -30,6 +30,7 @@ that arrives before its handover leaves a tombstone that refuses the handover.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -43,6 +44,8 @@ from engine_proc.sampler import RowSamplingState
 from shared.config import EngineRole
 from shared.handover_wire import Handover, KVLayout, layout_problem
 from shared.protocol import RequestOutput
+
+log = logging.getLogger(__name__)
 
 HandoverSink = Callable[[Handover, Callable[[torch.Tensor], None]], bool]
 """``sink(handover, fill) -> bool``: take the row (True) or not now (False). ``fill(dst)``
@@ -218,7 +221,11 @@ class Handovers:
             self._held.popleft()
             try:
                 self._adopt(held)
+            except Exception as exc:  # noqa: BLE001 - fail this row only, as a failed prefill does
+                log.exception("adopting the handover of %s failed; failing that row only", held.req.request_id)
+                self._unadopt(held.req, f"handover failed: {exc}")
             finally:
+                held.payload = None
                 if held.release is not None:
                     held.release()
 
@@ -246,6 +253,20 @@ class Handovers:
         self._handover_s.append(held.transit_s + time.perf_counter() - t0)
         self.num_handovers += 1
         self.handover_bytes += h.kv_bytes
+
+    def _unadopt(self, req: Request, error: str) -> None:
+        """Undo a partial :meth:`_adopt` and end the row with an error."""
+        rid = req.request_id
+        if rid in self._requests:
+            req.error = error
+            self._finish(req, RequestStatus.FINISHED_ERROR)  # the release path undoes the rest
+            return
+        self.backend.release(rid)
+        self.block_pool.free(rid)
+        self._sampling.pop(rid, None)
+        req.error = error
+        req.status = RequestStatus.FINISHED_ERROR
+        self._out.finish(req)
 
     def abort_held(self, request_id: str) -> bool:
         """Abort a held handover (its finish streams); False if none has this id."""

@@ -34,7 +34,8 @@ import torch
 from shared import handover_wire as hw
 from shared import protocol as p
 from shared.config import PolicyName, parse_decode_engines
-from shared.handover_transport import HandoverClient, HandoverServer, Received
+from shared.handover_client import Busy, HandoverClient
+from shared.handover_transport import HandoverServer, Received
 
 log = logging.getLogger("tickserve.engine")
 
@@ -68,7 +69,10 @@ class DecodeTargets:
 
     def __init__(self, spec: str, scheduler):
         self.scheduler = scheduler
-        self.clients = [HandoverClient(t) for t in parse_decode_engines(spec)]
+        bs = scheduler.block_pool.block_size
+        row = -(-scheduler.limits.max_model_len // bs) * scheduler.kv_layout.block_nbytes  # the largest row's KV
+        staging = max(64 << 20, 2 * row + (16 << 20))  # two of them at once, and their metadata
+        self.clients = [HandoverClient(t, staging_bytes=staging) for t in parse_decode_engines(spec)]
         self._in_flight: dict[str, tuple[HandoverClient, str]] = {}  # request id → (client, frontend id)
         self._sent_since_report: dict[int, int] = {}
         self._next_connect = 0.0
@@ -81,6 +85,8 @@ class DecodeTargets:
         for client in self._order(h):
             try:
                 client.send_handover(h, lambda view: fill(as_tensor(view)))
+            except Busy:
+                continue  # the next one, or the row waits a tick
             except ConnectionError as exc:
                 log.warning("decode engine %s: handover failed (%s); trying another", client.target, exc)
                 self._lost(client, str(exc))
@@ -91,7 +97,11 @@ class DecodeTargets:
         return False
 
     def _order(self, h: hw.Handover) -> list[HandoverClient]:
-        ready = [c for c in self.clients if c.ready and c.layout == h.layout]
+        # a decode engine holding a batch's worth of handovers it cannot admit yet takes no
+        # more: the row waits here, in its place, and _pending keeps the policy's order
+        ready = [c for c in self.clients if c.ready and c.layout == h.layout and not (
+            c.report is not None and c.report.num_held + self._sent_since_report.get(id(c), 0)
+            >= max(1, c.report.max_batch_size))]
         loads = {id(c): self._load(c) for c in ready}
         ranked = sorted(ready, key=lambda c: loads[id(c)])
         if self.scheduler.config.policy == PolicyName.FAIR.value and h.session_id and len(ready) > 1:
@@ -168,7 +178,8 @@ class DecodeTargets:
 
     def stats(self) -> dict:
         return {"decode_engines": [{"target": c.target, "engine_id": c.engine_id, "ready": c.ready,
-                                    "num_rows": c.report.num_rows if c.report else None}
+                                    "num_rows": c.report.num_rows if c.report else None,
+                                    "staged": c.num_staged, "own_memfd": c.num_memfd}
                                    for c in self.clients],
                 "handovers_in_flight": len(self._in_flight), "handovers_failed": self.num_failed}
 
@@ -212,9 +223,12 @@ class HandoverLink:
         """Tick thread: validate and queue a handover, then ack it."""
         received = item.received
         h = received.msg
-        problem = self.scheduler.receive_handover(h, as_tensor(received.payload))
+        server, peer, rid = self.handover_server, received.peer, h.request_id
+        problem = self.scheduler.receive_handover(
+            h, as_tensor(received.payload), release=lambda: server.reply(peer, hw.KVReleased(rid)))
         if problem is None:
             self._live_ids.add(h.request_id)
+            self.stats_window.on_taken_over(h.request_id, h.session_id)
             self._frontends.setdefault(h.frontend_id, time.monotonic())
         else:
             log.warning("refused the handover of %s: %s", h.request_id, problem)
@@ -227,6 +241,7 @@ class HandoverLink:
             return
         for rid in self.scheduler.take_handed_ids():
             self._live_ids.discard(rid)
+            self.stats_window.on_handed_over(rid)
         failures = self.decode_targets.service()
         if failures:
             send(failures)

@@ -27,6 +27,12 @@ from shared.config import EngineConfig, EngineRole, PrefillMode
 from shared.protocol import RequestOutput
 
 
+PREFILL_ROLE_TOKENS = 2048
+"""Prompt tokens a prefill-role engine computes per tick at least (``PREFILL_CHUNK_SIZE``
+if larger; 0: whole prompts): no stream waits on its ticks, so a chunk only bounds how
+long a short prompt waits behind a long one, and smaller chunks cost the long one's TTFT."""
+
+
 class SchedulerState:
     """The queues, the settings (the card's ``MAX_*``), the gate counters and the
     accounting of :class:`~engine_proc.scheduler.Scheduler`; its entry points and exits.
@@ -52,8 +58,9 @@ class SchedulerState:
         self.config = config
         self.prefill_mode = mode
         self.chunk_size = config.prefill_chunk_size if mode is PrefillMode.CHUNKED else 0
-        if mode is PrefillMode.DISAGGREGATED:  # the prefill role's chunks (0: a whole prompt per tick)
-            self.chunk_size = config.prefill_chunk_size or backend.max_model_len
+        if mode is PrefillMode.DISAGGREGATED:  # a prefill engine has no decode batch to keep steady
+            self.chunk_size = max(config.prefill_chunk_size, PREFILL_ROLE_TOKENS) if config.prefill_chunk_size \
+                else backend.max_model_len
         # mixed_batch: tokens of one tick's pass, decode rows first (vLLM's max_num_batched_tokens)
         self.token_budget = config.resolved_max_num_batched_tokens if mode is PrefillMode.MIXED_BATCH else 0
         if mode is PrefillMode.MIXED_BATCH and self.token_budget <= config.max_batch_size:

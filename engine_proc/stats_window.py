@@ -81,6 +81,9 @@ class RollingHistogram:
         return out
 
 
+_HANDED = object()  # the last-token time of a handed-over row before its first output here
+
+
 class StatsWindow:
     """Rolling rates and latency percentiles of one engine (see the module docstring).
 
@@ -115,6 +118,19 @@ class StatsWindow:
         """A request entered the scheduler; ``arrival_time`` is on this window's clock."""
         self._live[request_id] = (session_id, None, arrival_time)
 
+    def on_handed_over(self, request_id: str, now: float | None = None) -> None:
+        """A prefill engine handed the row to a decode engine with its first token: TTFT
+        is counted here, now; the rest of the row is the decode engine's."""
+        entry = self._live.pop(request_id, None)
+        if entry is not None and entry[1] is None:
+            now = self.clock() if now is None else now
+            self.ttft.add(now - entry[2], now)
+
+    def on_taken_over(self, request_id: str, session_id: str) -> None:
+        """A decode engine took a handed-over row: its first output (counted for TTFT by
+        the prefill engine) adds tokens but no latency; later ones are ITL."""
+        self._live[request_id] = (session_id, _HANDED, 0.0)
+
     def on_outputs(self, outputs: Iterable[RequestOutput], now: float | None = None) -> None:
         """Outputs about to be streamed: first tokens → TTFT, later ones → ITL."""
         now = self.clock() if now is None else now
@@ -125,7 +141,9 @@ class StatsWindow:
             session, last, arrival = entry
             n = len(out.token_ids)
             if n:
-                if last is None:
+                if last is _HANDED:
+                    pass
+                elif last is None:
                     self.ttft.add(now - arrival, now)
                     self._prompt_tokens.append((now, out.num_prompt_tokens, out.num_cached_tokens))
                 else:

@@ -30,7 +30,7 @@ import time
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from shared.protocol import RejectCode
@@ -124,6 +124,40 @@ class EngineCollector:
         if blocks:
             info.add_metric([str(blocks[0].get("block_size", "")), str(sum(b.get("num_blocks", 0) for b in blocks))], 1)
         yield info
+        yield from _per_engine(live)
+
+
+PER_ENGINE = ("kv_pressure", "active_kv_reserved", "kv_admit_blocked", "num_active")
+
+
+def _per_engine(live: list[dict]):
+    """Each engine's role, gates and handovers, labelled ``engine`` (its id) and ``role``
+    (monolithic | prefill | decode): with disaggregated prefill and decode the sums above
+    mix two kinds of engine."""
+    labels = ["engine", "role"]
+    info = GaugeMetricFamily("tickserve_engine_info", "One series per engine that is up, naming its role.", labels=labels)
+    gauges = {n: GaugeMetricFamily(f"tickserve_engine_{n}_by_engine", f"{ENGINE_GAUGES.get(n, n)}, per engine",
+                                   labels=labels) for n in PER_ENGINE}
+    count = CounterMetricFamily("tickserve_handovers", "Rows handed over (prefill: sent; decode: admitted).",
+                                labels=labels)
+    nbytes = CounterMetricFamily("tickserve_handover_bytes", "KV bytes handed over.", labels=labels)
+    times = GaugeMetricFamily("tickserve_handover_time_ms", "Handover time over the last 1,024 handovers (ms; "
+                              "decode: packed to copied in, prefill: packing and sending).",
+                              labels=labels + ["quantile"])
+    for e in live:
+        key = [str(e.get("engine_id", "")), str(e.get("role", "monolithic"))]
+        info.add_metric(key, 1)
+        for n, g in gauges.items():
+            if isinstance(e.get(n), (int, float)):
+                g.add_metric(key, e[n])
+        h = e.get("handovers") or {}
+        if key[1] != "monolithic":
+            count.add_metric(key, h.get("count", 0))
+            nbytes.add_metric(key, h.get("bytes", 0))
+            for q, field in (("0.5", "time_p50_ms"), ("0.99", "time_p99_ms")):
+                if h.get(field) is not None:
+                    times.add_metric(key + [q], h[field])
+    yield from (info, *gauges.values(), count, nbytes, times)
 
 
 def _kv_usage(live: list[dict]) -> float:

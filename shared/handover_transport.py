@@ -12,13 +12,27 @@ bytes it validates are the bytes it copies in, whatever the sender does afterwar
 Nothing is pickled and nothing has a name: ``kill -9`` of either side leaves nothing
 behind. Every other message (both ways) is ``M`` + one msgpack frame.
 
+A fresh memfd costs a page fault per 4 KiB on both sides (on a loaded 2-core host, a
+1,000-token row's 23 MB took 0.1–0.3 s), so each connection also has a **staging area**:
+one memfd the prefill engine creates at connect (sealed against shrinking and growing,
+so the decode engine's read-only mapping can never fault past its end) and passes once
+(``S`` + u64 size, with the fd). A handover that fits is written there (``P`` + u64
+offset + u64 metadata length + u64 KV length); the decode engine copies the metadata
+out before it decodes it, and frees the room with ``KVReleased`` once the KV is in its
+blocks (or the row was refused). The pages stay mapped, so later handovers pay no
+faults. The KV bytes there are not write-sealed: a prefill engine that scribbled on
+them could only spoil its own row's tokens, never the decode engine's bookkeeping
+(every size and offset is checked against the area). A handover that does not fit
+takes a sealed memfd of its own.
+
 Across hosts: ZeroMQ, the decode engine's ROUTER at ``--handover-addr tcp://…`` and a
 DEALER per prefill engine; a handover is the multipart ``[b"H", metadata, kv]``, any
 other message ``[b"M", frame]``. The same validation applies.
 
 Both ends are driven by one thread each: the prefill side by the engine's tick thread
-(:class:`HandoverClient`, never blocking), the decode side by a listener thread
-(:class:`HandoverServer`, whose replies other threads queue with :meth:`HandoverServer.reply`).
+(:class:`~shared.handover_client.HandoverClient`, never blocking), the decode side by a
+listener thread (:class:`HandoverServer`, whose replies other threads queue with
+:meth:`HandoverServer.reply`).
 """
 
 from __future__ import annotations
@@ -31,8 +45,6 @@ import queue
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Callable
-
 import zmq
 
 from shared import handover_wire as hw
@@ -41,6 +53,9 @@ from shared.shm_ring import FRAME_SEALS, PeerFault, require_seals
 
 SOCKET_NAME = "handover.sock"
 HEADER = struct.Struct("<cQQ")  # b"H", metadata bytes, KV bytes
+STAGED = struct.Struct("<cQQQ")  # b"P", offset in the staging area, metadata bytes, KV bytes
+STAGING = struct.Struct("<cQ")  # b"S", the staging area's size (its fd beside)
+STAGING_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 ALIGN = 4096
 _FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
 MAX_SMALL = 1 << 20  # an "M" message on the socket
@@ -50,7 +65,8 @@ def socket_path(run_dir: str) -> str:
     return os.path.join(run_dir, SOCKET_NAME)
 
 
-def _kv_offset(meta_len: int) -> int:
+def kv_offset(meta_len: int) -> int:
+    """Where the KV bytes start after ``meta_len`` bytes of metadata (the next 4 KiB)."""
     return -(-meta_len // ALIGN) * ALIGN
 
 
@@ -81,6 +97,7 @@ class HandoverServer:
         self.last_bad = ""
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self._conns: dict[int, socket.socket] = {}
+        self._staging: dict[int, memoryview] = {}  # connection → its staging area (read-only)
         self._poller = zmq.Poller()
         self._listener = None
         if run_dir:
@@ -141,6 +158,7 @@ class HandoverServer:
         self._poller.register(conn.fileno(), zmq.POLLIN)
 
     def _drop(self, fd: int) -> None:
+        self._staging.pop(fd, None)  # held rows keep their views; the mapping goes with the last
         conn = self._conns.pop(fd, None)
         if conn is not None:
             self._poller.unregister(fd)
@@ -168,6 +186,11 @@ class HandoverServer:
                 if data[:1] == b"H":
                     taken, fds = fds, []
                     out.append(self._handover_fd(fd, data, taken))
+                elif data[:1] == b"P" and not fds:
+                    out.append(self._handover_staged(fd, data))
+                elif data[:1] == b"S":
+                    taken, fds = fds, []
+                    self._map_staging(fd, data, taken)
                 elif data[:1] == b"M" and not fds:
                     out.append(Received(fd, hw.decode(data[1:], "decode")))
                 else:
@@ -191,7 +214,7 @@ class HandoverServer:
             if meta_len > hw.MAX_META_BYTES or kv_len > self.max_kv_bytes:
                 raise PeerFault(f"a handover of {meta_len} + {kv_len} bytes exceeds the limits")
             require_seals(fd, FRAME_SEALS, "a handover's memfd")
-            size = _kv_offset(meta_len) + kv_len
+            size = kv_offset(meta_len) + kv_len
             if os.fstat(fd).st_size != size:
                 raise PeerFault("a handover's memfd is not the size announced")
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) if size else None
@@ -203,7 +226,36 @@ class HandoverServer:
         msg = hw.decode(view[:meta_len], "decode")
         if not isinstance(msg, hw.Handover):
             raise PeerFault("a memfd that holds no handover")
-        return Received(peer, msg, view[_kv_offset(meta_len): _kv_offset(meta_len) + kv_len])
+        return Received(peer, msg, view[kv_offset(meta_len): kv_offset(meta_len) + kv_len])
+
+    def _map_staging(self, peer: int, data: bytes, fds: list[int]) -> None:
+        """A connection's staging area (once). Closes ``fds``. Raises PeerFault."""
+        try:
+            if len(data) != STAGING.size or len(fds) != 1 or peer in self._staging:
+                raise PeerFault(f"a staging message of {len(data)} bytes with {len(fds)} fds")
+            _, size = STAGING.unpack(data)
+            if not 0 < size <= 4 * self.max_kv_bytes:
+                raise PeerFault(f"a staging area of {size} bytes")
+            require_seals(fds[0], STAGING_SEALS & ~fcntl.F_SEAL_SEAL, "a staging memfd")
+            if os.fstat(fds[0]).st_size != size:
+                raise PeerFault("a staging memfd is not the size announced")
+            self._staging[peer] = memoryview(mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ))
+        finally:
+            for f in fds:
+                os.close(f)
+
+    def _handover_staged(self, peer: int, data: bytes) -> Received:
+        area = self._staging.get(peer)
+        if area is None or len(data) != STAGED.size:
+            raise PeerFault("a staged handover without a staging area")
+        _, off, meta_len, kv_len = STAGED.unpack(data)
+        end = off + kv_offset(meta_len) + kv_len
+        if meta_len > hw.MAX_META_BYTES or kv_len > self.max_kv_bytes or end > len(area):
+            raise PeerFault(f"a staged handover at {off} of {meta_len} + {kv_len} bytes outside its area")
+        msg = hw.decode(bytes(area[off: off + meta_len]), "decode")  # a copy: the sender can still write there
+        if not isinstance(msg, hw.Handover):
+            raise PeerFault("a staged message that is no handover")
+        return Received(peer, msg, area[off + kv_offset(meta_len): end])
 
     def _recv_tcp(self, out: list[Received]) -> None:
         for _ in range(64):
@@ -263,144 +315,6 @@ class HandoverServer:
                 pass
         if self._router is not None:
             self._router.close(0)
-
-
-class HandoverClient:
-    """A prefill engine's connection to one decode engine (a run directory or
-    ``tcp://HOST:PORT``). Used by one thread; nothing blocks. ``layout`` and
-    ``engine_id`` are known once the decode engine's hello arrived (``ready``)."""
-
-    def __init__(self, target: str, ctx: zmq.Context | None = None):
-        self.target = target
-        self.tcp = target.startswith("tcp://")
-        self._ctx = ctx
-        self._sock = None
-        self.engine_id = ""
-        self.layout: hw.KVLayout | None = None
-        self.report: hw.DecodeReport | None = None
-
-    @property
-    def ready(self) -> bool:
-        return self._sock is not None and self.layout is not None
-
-    def connect(self) -> bool:
-        """Try to connect (a no-op when connected); True once connected."""
-        if self._sock is not None:
-            return True
-        try:
-            if self.tcp:
-                sock = (self._ctx or zmq.Context.instance()).socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, 64)
-                sock.connect(self.target)
-                sock.send_multipart([b"M", b""])  # so the ROUTER learns of us and greets us
-            else:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                try:
-                    sock.connect(socket_path(self.target))
-                except OSError:
-                    sock.close()
-                    return False
-                sock.setblocking(False)
-        except zmq.ZMQError:
-            return False
-        self._sock = sock
-        return True
-
-    def disconnect(self) -> None:
-        if self._sock is not None:
-            self._sock.close(0) if self.tcp else self._sock.close()
-        self._sock = None
-        self.layout = None
-        self.engine_id = ""
-        self.report = None
-
-    def receive(self) -> list:
-        """Messages from the decode engine waiting now (hello, acks, reports). Raises
-        ``ConnectionError`` when the connection is gone (then :meth:`disconnect`)."""
-        out = []
-        for _ in range(256):
-            frame = self._recv_one()
-            if frame is None:
-                break
-            try:
-                msg = hw.decode(frame, "prefill")
-            except DecodeError:
-                continue
-            if isinstance(msg, hw.DecodeHello):
-                self.engine_id, self.layout = msg.engine_id, msg.layout
-            elif isinstance(msg, hw.DecodeReport):
-                self.report = msg
-            out.append(msg)
-        return out
-
-    def _recv_one(self) -> bytes | None:
-        if self._sock is None:
-            return None
-        if self.tcp:
-            try:
-                parts = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return None
-            return parts[1] if len(parts) == 2 and parts[0] == b"M" else None
-        try:
-            data = self._sock.recv(MAX_SMALL, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return None
-        except OSError as exc:
-            raise ConnectionError(str(exc)) from None
-        if not data:
-            raise ConnectionError("the decode engine closed its handover socket")
-        return data[1:] if data[:1] == b"M" else None
-
-    def send(self, msg) -> None:
-        """A small message (a HandoverAbort). Raises ``ConnectionError``."""
-        frame = hw.encode(msg)
-        try:
-            if self.tcp:
-                self._sock.send_multipart([b"M", frame], zmq.NOBLOCK)
-            else:
-                self._sock.send(b"M" + frame, socket.MSG_DONTWAIT)
-        except (OSError, zmq.ZMQError, AttributeError) as exc:
-            raise ConnectionError(str(exc)) from None
-
-    def send_handover(self, h: hw.Handover, fill: Callable[[memoryview], None]) -> None:
-        """Send ``h`` with its KV, which ``fill(view)`` writes into a writable view of
-        ``h.kv_bytes`` bytes. Raises ``ConnectionError`` (nothing was delivered)."""
-        meta = hw.encode(h)
-        if self.tcp:
-            kv = bytearray(h.kv_bytes)
-            fill(memoryview(kv))
-            try:
-                self._sock.send_multipart([b"H", meta, kv], zmq.NOBLOCK, copy=False)
-            except (zmq.ZMQError, AttributeError) as exc:
-                raise ConnectionError(str(exc)) from None
-            return
-        off = _kv_offset(len(meta))
-        size = off + h.kv_bytes
-        fd = os.memfd_create("tickserve-handover", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            try:
-                mm[:len(meta)] = meta
-                view = memoryview(mm)
-                part = view[off:size]
-                try:
-                    fill(part)
-                finally:
-                    part.release()
-                    view.release()
-            finally:
-                mm.close()
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, FRAME_SEALS)
-            self._sock.sendmsg([HEADER.pack(b"H", len(meta), h.kv_bytes)],
-                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))],
-                               socket.MSG_DONTWAIT)
-        except (OSError, AttributeError) as exc:
-            raise ConnectionError(str(exc)) from None
-        finally:
-            os.close(fd)
 
 
 def _fds_of(ancdata) -> list[int]:

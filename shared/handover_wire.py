@@ -10,6 +10,8 @@ decode engine answers::
                                    ◄──  DecodeHello(engine_id, layout)   on connect
       Handover(meta) + KV bytes    ──►                                   gates 2, 3: admit or soft-hold
                                    ◄──  HandoverAck(request_id, ok)      it owns the row now
+                                   ◄──  KVReleased(request_id)           its KV bytes are copied in (or
+                                                                         dropped): their staging room is free
       HandoverAbort([ids])         ──►                                   an abort that met the row in flight
                                    ◄──  DecodeReport(load, counts)       every stats interval (Fair/VTC)
 
@@ -98,7 +100,14 @@ class DecodeReport(Struct, frozen=True, array_like=True, forbid_unknown_fields=T
 
 
 TO_DECODE = (Handover, HandoverAbort)
-TO_PREFILL = (DecodeHello, HandoverAck, DecodeReport)
+class KVReleased(Struct, frozen=True, array_like=True, forbid_unknown_fields=True, tag=13):
+    """The decode engine no longer reads this handover's KV bytes (copied into its blocks,
+    or the row refused or aborted): the sender may reuse the staging room they used."""
+
+    request_id: Id
+
+
+TO_PREFILL = (DecodeHello, HandoverAck, DecodeReport, KVReleased)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {"decode": msgspec.msgpack.Decoder(Union[TO_DECODE]),  # type: ignore[misc]

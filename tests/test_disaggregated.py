@@ -290,3 +290,79 @@ def test_roles_in_the_configuration(tiny_llama):
         assert any(says in p for p in EngineConfig(**kw).problems()), kw
     with pytest.raises(NotImplementedError):
         make_scheduler(tiny_llama, prefill_mode="disaggregated")
+
+
+class _StubClient:
+    """A decode engine link that reports what it is told to and records handovers."""
+
+    def __init__(self, target, layout, report):
+        self.target, self.layout, self.report, self.ready, self.engine_id = target, layout, report, True, target
+        self.sent, self.inbox = [], []
+
+    def connect(self):
+        return True
+
+    def receive(self):
+        msgs, self.inbox = self.inbox, []
+        for m in msgs:
+            if isinstance(m, hw.DecodeReport):
+                self.report = m
+        return msgs
+
+    def send_handover(self, h, fill):
+        fill(memoryview(bytearray(h.kv_bytes)))
+        self.sent.append(h)
+
+
+def test_decode_reports_charge_vtc_on_the_prefill_side_and_full_engines_take_nothing(tiny_llama):
+    """Fair/VTC across roles: a decode engine's per-session token counts are charged to the
+    prefill engine's policy (w_q per token); a decode engine holding a batch's worth of
+    handovers is skipped, the less loaded one takes the row, and with none left the row
+    waits on the prefill engine, its reservation still counted there."""
+    from engine_proc.handover_link import DecodeTargets
+
+    sched = make_scheduler(tiny_llama, role="prefill", policy="fair", prefill_chunk_size=16)
+    targets = DecodeTargets("/tmp/a,/tmp/b", sched)
+    full = _StubClient("/tmp/a", sched.kv_layout, hw.DecodeReport(8, 8, 100, 8))
+    free = _StubClient("/tmp/b", sched.kv_layout, hw.DecodeReport(1, 0, 100, 8))
+    targets.clients = [full, free]
+    free.inbox.append(hw.DecodeReport(1, 0, 100, 8, {"alice": 5}))
+    before = sched.policy._counters.get("alice", 0.0)
+    targets.service()
+    assert sched.policy._counters["alice"] == before + 5 * sched.policy.output_weight
+    req = make_request(_prompts(8, 1, lo=20, hi=20)[0], max_tokens=6, ignore_eos=True)
+    sched.add_request(req)
+    for _ in range(5):
+        sched.step()
+    assert [h.request_id for h in free.sent] == [req.request_id] and not full.sent
+    assert sched.active_kv_reserved == 0 and sched.block_pool.num_used_blocks == 0
+    free.report = hw.DecodeReport(8, 8, 0, 8)  # both full now
+    other = make_request(_prompts(9, 1, lo=20, hi=20)[0], max_tokens=6, ignore_eos=True)
+    sched.add_request(other)
+    for _ in range(5):
+        sched.step()
+    assert len(free.sent) == 1 and sched.has_request(other.request_id)
+    assert sched.active_kv_reserved == other.max_total_tokens and sched.stats()["handovers"]["waiting"] == 1
+    free.report = hw.DecodeReport(0, 0, 100, 8)
+    targets._sent_since_report.clear()
+    sched.step()
+    assert [h.request_id for h in free.sent] == [req.request_id, other.request_id]
+    assert free.sent[1].first_output.token_ids and sched.active_kv_reserved == 0
+
+
+def test_a_handover_that_fails_to_adopt_fails_only_its_row(tiny_llama, monkeypatch):
+    """Copying a held row's KV in raises: that row ends with an error, its blocks and
+    reservation are back, and the next handover decodes."""
+    pair = Pair(tiny_llama)
+    frame, payload = _frame(pair)
+    cache = pair.decode.backend.cache
+    real = cache.copy_blocks_in
+    monkeypatch.setattr(cache, "copy_blocks_in", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert pair.decode.receive_handover(frame, payload) is None
+    outs = run_until_idle(pair.decode)
+    assert outs[frame.request_id][-1].finish_reason is FinishReason.ERROR and "boom" in outs[frame.request_id][-1].error
+    assert pair.decode.block_pool.num_used_blocks == 0 and pair.decode.active_kv_reserved == 0
+    monkeypatch.setattr(cache, "copy_blocks_in", real)
+    frame2, payload2 = _frame(pair)
+    assert pair.decode.receive_handover(frame2, payload2) is None
+    assert len(tokens_of(run_until_idle(pair.decode)[frame2.request_id])) == 5

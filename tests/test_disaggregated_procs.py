@@ -90,6 +90,24 @@ def test_greedy_tokens_equal_monolithic_and_stats_show_the_roles(disagg, tiny_mo
     assert by_role["prefill"]["handovers"]["count"] >= 6
     assert s["roles"] == {"decode": 1, "prefill": 1} and s["handovers"]["count"] >= 6
     assert httpx.get(f"{base}/version", timeout=10).json()["runtime"]["prefill_mode"] == "disaggregated"
+    # a stop string (the frontend's: it aborts the row, wherever it decodes)
+    status, body, _ = http_json(f"{base}/v1/completions", {"prompt": prompts[1], "max_tokens": 12,
+                                                           "temperature": 0, "ignore_eos": True}, timeout=120)
+    text = body["choices"][0]["text"]
+    stop = next(text[i: i + 3] for i in range(len(text) // 2, len(text) - 2) if text[i: i + 3].strip())
+    status, body, _ = http_json(f"{base}/v1/completions", {"prompt": prompts[1], "max_tokens": 12,
+                                                           "temperature": 0, "ignore_eos": True, "stop": [stop]},
+                                timeout=120)
+    assert status == 200 and body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["text"] == text[:text.index(stop)]
+    metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    decode_id = by_role["decode"]["engine_id"]
+    assert f'tickserve_engine_info{{engine="{decode_id}",role="decode"}} 1.0' in metrics
+    count = next(float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith(f'tickserve_handovers_total{{engine="{decode_id}",role="decode"}}'))
+    assert count >= 6
+    assert f'tickserve_handover_time_ms{{engine="{decode_id}",quantile="0.99",role="decode"}}' in metrics
+    assert "tickserve_engine_kv_pressure_by_engine{" in metrics
     for e in s["engines"]:
         assert e["runtime"]["role"] == e["role"]
         for field in ("kv_pressure", "active_kv_reserved", "kv_admit_blocked"):
@@ -142,3 +160,40 @@ def test_killed_prefill_engine_leaves_decoding_rows_streaming(disagg):
     wait_for(lambda: next(e for e in stats(base)["engines"] if e["role"] == "decode")["active_kv_reserved"] == 0,
              30, 0.3, "the decode engine empty")
     assert decode["handovers"]["held"] == 0
+
+
+def test_engines_across_hosts_hand_over_on_tcp(tmp_path, tiny_model_dir):
+    """``tickserve engine --role decode --handover-addr tcp://…`` and ``--role prefill
+    --decode-engines tcp://…`` (the across-hosts layout, on loopback): a frontend given
+    both engines gets the tokens an in-process monolithic engine computes, every row
+    handed over by ZeroMQ."""
+    run = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))
+    group = ProcessGroup(tmp_path)
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    port = free_port()
+    try:
+        group.engine(tiny_model_dir, run / "d", role="decode", handover_addr=addr, max_batch_size=8, transport="zmq")
+        group.engine(tiny_model_dir, run / "p", role="prefill", decode_engines=addr, max_batch_size=8,
+                     transport="zmq")
+        group.frontend(tiny_model_dir, "", port, engine=f"{run / 'p'},{run / 'd'}", transport="zmq")
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_for(lambda: _roles_up(base), 120, 0.3, "both engines up")
+        except TimeoutError:
+            raise AssertionError("\n".join(pr.output()[-3000:] for pr in group.procs))
+        prompts = [_tokens(20, 25), _tokens(21, 60)]
+        with ThreadPoolExecutor(2) as pool:
+            served = list(pool.map(lambda p: _complete(base, p, max_tokens=8)[0], prompts))
+        s = stats(base)
+        prefill = next(e for e in s["engines"] if e["role"] == "prefill")
+        assert prefill["decode_engines"][0]["target"] == addr and prefill["decode_engines"][0]["ready"]
+        assert prefill["handovers"]["count"] == 2
+    finally:
+        group.close()
+        shutil.rmtree(run, ignore_errors=True)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype="float32").eval()
+    reqs = [make_request(p, max_tokens=8, ignore_eos=True) for p in prompts]
+    outs = run_until_idle(make_scheduler(model, prefill_mode="chunked", prefill_chunk_size=16), {0: reqs})
+    assert served == [tokens_of(outs[r.request_id]) for r in reqs]

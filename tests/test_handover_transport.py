@@ -11,7 +11,8 @@ import time
 import pytest
 
 from shared import handover_wire as hw
-from shared.handover_transport import HEADER, HandoverClient, HandoverServer, socket_path
+from shared.handover_client import HandoverClient
+from shared.handover_transport import HEADER, HandoverServer, socket_path
 from shared.protocol import RequestOutput, SamplingParams
 from tests.procs import free_port
 
@@ -42,12 +43,13 @@ def _ready(server: HandoverServer, client: HandoverClient, timeout: float = 10.0
     assert client.ready and client.engine_id == "dec" and client.layout == LAYOUT
 
 
-@pytest.mark.parametrize("carrier", ["shm", "tcp"])
+@pytest.mark.parametrize("carrier", ["shm", "staged", "tcp"])
 def test_a_handover_arrives_whole_and_acks_come_back(tmp_path, carrier):
     addr = f"tcp://127.0.0.1:{free_port()}"
-    server = HandoverServer(hw.DecodeHello("dec", LAYOUT), run_dir=str(tmp_path) if carrier == "shm" else "",
-                            tcp_addr=addr if carrier == "tcp" else "")
-    client = HandoverClient(str(tmp_path) if carrier == "shm" else addr)
+    shm = carrier != "tcp"
+    server = HandoverServer(hw.DecodeHello("dec", LAYOUT), run_dir=str(tmp_path) if shm else "",
+                            tcp_addr=addr if not shm else "")
+    client = HandoverClient(str(tmp_path) if shm else addr, staging_bytes=1 << 16 if carrier == "staged" else 0)
     try:
         _ready(server, client)
         h = _handover()
@@ -70,10 +72,23 @@ def test_a_handover_arrives_whole_and_acks_come_back(tmp_path, carrier):
         assert msgs == [hw.HandoverAck("r1", True), hw.DecodeReport(1, 0, 10, 8, {"s": 3})]
         assert client.report.session_tokens == {"s": 3}
         assert server.bad == 0
+        if carrier == "staged":  # it went through the staging area, whose room is freed on release
+            assert (client.num_staged, client.num_memfd) == (1, 0) and client._room(1 << 16) is None
+            server.reply(got[0].peer, hw.KVReleased("r1"))
+            deadline = time.monotonic() + 10
+            while client._room(1 << 16) is None and time.monotonic() < deadline:
+                server.poll(10)
+                client.receive()
+            assert client._room(1 << 16) == 0
+            big = _handover("big", blocks=100)  # larger than the area: a memfd of its own
+            client.send_handover(big, lambda view: view.__setitem__(slice(None), b"\x07" * big.kv_bytes))
+            got = _until(server, client, 1)
+            assert got[0].msg == big and bytes(got[0].payload) == b"\x07" * big.kv_bytes
+            assert client.num_memfd == 1
     finally:
         client.disconnect()
         server.close()
-    if carrier == "shm":
+    if shm:
         assert not os.path.exists(socket_path(str(tmp_path)))
 
 

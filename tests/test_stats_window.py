@@ -84,3 +84,18 @@ def test_publication_is_rate_limited():
     assert not w.due(now=0.1)
     assert w.due(now=0.25)
     assert not StatsWindow(interval_s=0).due(now=100.0)
+
+
+def test_a_handed_over_row_counts_ttft_on_prefill_and_itl_on_decode():
+    """Disaggregated: the prefill engine's window takes the row's TTFT at its handover;
+    the decode engine's counts its tokens and later gaps, never a second TTFT."""
+    prefill, decode = StatsWindow(interval_s=0.25), StatsWindow(interval_s=0.25)
+    prefill.on_arrival("a", "alice", arrival_time=10.0)
+    prefill.on_handed_over("a", now=10.5)
+    assert prefill.ttft.count(10.5) == 1 and prefill.ttft.quantiles((0.5,), now=10.5)[0] == pytest.approx(0.5, rel=0.1)
+    decode.on_taken_over("a", "alice")
+    decode.on_outputs([out("a")], now=10.6)  # the first token, forwarded
+    decode.on_outputs([out("a")], now=10.65)
+    decode.on_outputs([out("a", finish=FinishReason.LENGTH)], now=10.7)
+    assert decode.ttft.count(10.7) == 0 and decode.itl.count(10.7) == 2
+    assert decode.itl.quantiles((0.5,), now=10.7)[0] == pytest.approx(0.05, rel=0.1)

@@ -171,3 +171,10 @@ def run_main(main) -> None:
     except KeyboardInterrupt:
         log("interrupted")
         sys.exit(130)
+
+
+class SessionOf:
+    """Enough of a request for a policy's ``on_tokens_processed``: its ``session_id``."""
+
+    def __init__(self, session_id: str):
+        self.session_id = session_id

@@ -23,6 +23,7 @@ variant with ``M = max_tokens`` is reported too. Baseline: FCFS, in the same run
 Usage:
     python tools/bench_fairness.py                        # real SmolLM2, small max_tokens
     python tools/bench_fairness.py --tiny                 # tiny random Llama: seconds
+    python tools/bench_fairness.py --tiny --disaggregated # VTC across a prefill and a decode role
     python tools/bench_fairness.py --requests-b 8 --ratio 4 --max-batch-size 4 \\
         --out bench-results/fairness.json --plot bench-results/fairness.png
 
@@ -50,6 +51,9 @@ def parse_args(argv=None):
     ap.add_argument("--arrival", choices=["a-first", "interleaved"], default="a-first",
                     help="queue all of A then all of B, or alternate A×ratio, B")
     ap.add_argument("--policies", nargs="+", default=["fcfs", "fair"])
+    ap.add_argument("--disaggregated", action="store_true",
+                    help="a prefill-role and a decode-role scheduler joined in memory (PREFILL_MODE=disaggregated): "
+                         "_pending and VTC on the prefill side, decode tokens reported back every tick")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-ticks", type=int, default=5000)
@@ -65,6 +69,8 @@ def engine_config(args, policy: str):
     max_len = args.prompt_len + args.max_tokens + 64
     config = EngineConfig(device=args.device, max_model_len=max_len, max_batch_size=args.max_batch_size,
                           policy=policy, seed=args.seed)
+    if getattr(args, "disaggregated", False):
+        config = EngineConfig(**{**vars(config), "role": "decode"})
     problems = config.problems()
     if problems:
         raise SystemExit("bad configuration: " + "; ".join(problems))
@@ -76,8 +82,27 @@ def service(reqs, w_p: float, w_q: float) -> float:
     total = 0.0
     for r in reqs:
         prompt_done = min(r.num_computed_tokens, r.prompt_len) - r.num_cached_tokens
-        total += w_p * max(0, prompt_done) + w_q * r.num_output_tokens
+        total += w_p * max(0, prompt_done) + w_q * getattr(r, "streamed", r.num_output_tokens)
     return total
+
+
+def _memory_link(decode):
+    """A prefill scheduler's handover sink into ``decode`` in the same process (the wire's
+    frame, the KV in a tensor); it takes no more while the decode side holds a batch's
+    worth of handovers, as DecodeTargets does."""
+    import torch
+
+    def sink(handover, fill) -> bool:
+        if len(decode._held) >= decode.max_batch_size:
+            return False
+        payload = torch.empty(handover.kv_bytes, dtype=torch.uint8)
+        fill(payload)
+        problem = decode.receive_handover(handover, payload)
+        if problem is not None:
+            raise RuntimeError(problem)
+        return True
+
+    return sink
 
 
 def run_policy(model, args, policy: str, deadline: bc.Deadline) -> dict:
@@ -86,6 +111,13 @@ def run_policy(model, args, policy: str, deadline: bc.Deadline) -> dict:
 
     config = engine_config(args, policy)
     sched = build_scheduler(config, model)
+    decode = None
+    if args.disaggregated:
+        import dataclasses
+
+        sched = build_scheduler(dataclasses.replace(config, role="prefill", decode_engines="memory"), model)
+        decode = build_scheduler(config, model)
+        sched.handover_sink = _memory_link(decode)
     w_p, w_q = config.fair_prompt_weight, config.fair_output_weight
     rng = random.Random(args.seed)  # same prompts for every policy
     vocab = model.config.vocab_size
@@ -108,11 +140,12 @@ def run_policy(model, args, policy: str, deadline: bc.Deadline) -> dict:
         return sum(r.status is RequestStatus.WAITING for r in sessions[s])
 
     t_start, cpu_start = time.perf_counter(), time.process_time()
+    outputs: dict[str, int] = {}
     samples = [{"tick": 0, "t_s": 0.0, "A": 0.0, "B": 0.0, "both_backlogged": True}]
     finish_tick: dict[str, int] = {}
     window_end_tick = 0
     for tick in range(1, args.max_ticks + 1):
-        if not sched.has_work():
+        if not sched.has_work() and not (decode is not None and decode.has_work()):
             break
         if deadline.expired():
             bc.log(f"{policy}: out of time after {tick - 1} ticks")
@@ -120,9 +153,17 @@ def run_policy(model, args, policy: str, deadline: bc.Deadline) -> dict:
         both = waiting("A") > 0 and waiting("B") > 0
         if both:
             window_end_tick = tick
-        for _, out in sched.step():
+        outs = sched.step() + (decode.step() if decode is not None else [])
+        if decode is not None:  # the decode engine's report (every stats interval; here every tick)
+            for session, n in decode.take_session_tokens().items():
+                sched.policy.on_tokens_processed(bc.SessionOf(session), 0, n)
+        for _, out in outs:
+            outputs[out.request_id] = outputs.get(out.request_id, 0) + len(out.token_ids)
             if out.finish_reason is not None:
                 finish_tick[out.request_id] = tick
+        if decode is not None:
+            for r in sessions["A"] + sessions["B"]:
+                r.streamed = outputs.get(r.request_id, 0)
         samples.append({"tick": tick, "t_s": round(time.perf_counter() - t_start, 4),
                         "A": service(sessions["A"], w_p, w_q), "B": service(sessions["B"], w_p, w_q),
                         "both_backlogged": both})
@@ -233,6 +274,7 @@ def main(argv=None) -> int:
                      "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                      "max_batch_size": args.max_batch_size, "arrival": args.arrival,
                      "prefill_mode": base_config.resolved_prefill_mode.value,
+                     "layout": "1 prefill + 1 decode scheduler (in memory)" if args.disaggregated else "one engine",
                      "prefill_chunk_size": base_config.prefill_chunk_size},
         "service_definition": "w_p * prompt tokens computed (not cached) + w_q * output tokens",
         "backlogged_definition": "a session with at least one request waiting in _pending at the "

@@ -78,8 +78,12 @@ function renderEngines() {
     const tr = document.createElement("tr");
     tr.dataset.engine = id;
     const r = e.runtime || {};
+    const h = e.handovers;
     const cells = [e.label || id, null, e.restarts, r.device, r.dtype, r.torch_threads, r.backend, r.prefill_mode,
-                   r.policy, e.transport, e.num_frontends, e.num_ticks];
+                   r.role || "monolithic", r.policy, e.transport, e.num_frontends, e.num_ticks,
+                   e.kv_pressure === undefined || e.kv_pressure === null ? null : fmt(e.kv_pressure, 2),
+                   h && r.role && r.role !== "monolithic"
+                     ? `${h.count} · ${fmt(h.time_p50_ms, 1)} / ${fmt(h.time_p99_ms, 1)} ms` : null];
     cells.forEach((v, i) => {
       const td = document.createElement("td");
       if (i === 1) {
@@ -146,6 +150,8 @@ function onStats(msg) {
         runtime: st ? st.runtime : prev.runtime,
         num_frontends: st ? st.num_frontends : prev.num_frontends,
         num_ticks: st ? st.num_ticks : prev.num_ticks,
+        kv_pressure: st ? st.kv_pressure : prev.kv_pressure,
+        handovers: st ? st.handovers : prev.handovers,
       }));
     }
   } else {
@@ -159,6 +165,8 @@ function onStats(msg) {
         runtime: s ? s.runtime : prev.runtime,
         num_frontends: s ? s.num_frontends : prev.num_frontends,
         num_ticks: s ? s.num_ticks : prev.num_ticks,
+        kv_pressure: s ? s.kv_pressure : prev.kv_pressure,
+        handovers: s ? s.handovers : prev.handovers,
       }));
     }
   }
