@@ -39,18 +39,18 @@ class Frontend:
         # max_tokens of a request without one: --default-max-tokens, else the model's generation
         # config (set_model_dir), else None: the endpoint's own default
         self.default_max_tokens: int | None = config.default_max_tokens or None
-
-    def use_generation_config(self, model_dir) -> None:
-        """Without ``--default-max-tokens``, take ``max_new_tokens`` from the model's
-        ``generation_config.json`` (if it sets one) as the default of a request that omits it."""
-        if self.default_max_tokens is None:
-            self.default_max_tokens = generation_max_new_tokens(model_dir)
         # --chat-template FILE replaces the model's template; read once (config.problems checked it is a file)
         self.chat_template: str | None = None
         if config.chat_template:
             with open(config.chat_template, encoding="utf-8") as f:
                 self.chat_template = f.read()
         self._tool_template: str | None = None
+
+    def use_generation_config(self, model_dir) -> None:
+        """Without ``--default-max-tokens``, take ``max_new_tokens`` from the model's
+        ``generation_config.json`` (if it sets one) as the default of a request that omits it."""
+        if self.default_max_tokens is None:
+            self.default_max_tokens = generation_max_new_tokens(model_dir)
 
     @property
     def tool_template(self) -> str:
