@@ -23,7 +23,9 @@ limits (:meth:`receive_handover`), streams its first output at once and queues i
 the row: admit adds, finish/evict/abort subtract); a full engine soft-holds it (never
 drops it). Admitted: fresh blocks, the KV copied in, the sampling state (penalty counts
 from the output so far, the seeded generator's state) restored, and the row joins the
-decode batch through ``_promote_to_decode``. An abort reaches a held row, and an abort
+decode batch through ``_promote_to_decode``. A constrained row's grammar is rebuilt from
+its constraint's source text (in the handover's sampling parameters; compiled on the
+grammar worker, cached) and advanced over the tokens the prefill engine sampled. An abort reaches a held row, and an abort
 that arrives before its handover leaves a tombstone that refuses the handover.
 """
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
@@ -65,6 +68,7 @@ class Held:
     payload: torch.Tensor  # uint8 [kv_bytes]
     transit_s: float  # sent_at → received
     release: Callable[[], None] | None = None  # unmaps the payload once copied in
+    grammar: Future | None = None  # a constrained row's compile (engine_proc.grammar); admitted once done
 
 
 def kv_layout(cache) -> KVLayout:
@@ -184,7 +188,10 @@ class Handovers:
         req.num_cached_tokens = h.num_cached_tokens
         req.num_computed_tokens = h.num_kv_tokens
         req.first_token_time = req.arrival_time
-        self._held.append(Held(req, h, payload, max(0.0, time.time() - h.sent_at), release))
+        grammar = None
+        if h.params.constraint is not None:  # the matcher is rebuilt here from the constraint's source text
+            grammar = self.grammars.get(h.params.constraint, on_done=self.on_grammar_ready)
+        self._held.append(Held(req, h, payload, max(0.0, time.time() - h.sent_at), release, grammar))
         self._out.forward(req, h.first_output)
         return None
 
@@ -206,6 +213,8 @@ class Handovers:
             return f"duplicate request id {h.request_id!r}"
         if h.generator_state is not None and h.params.seed is None:
             return "a generator state for an unseeded row"
+        if h.params.constraint is not None and self.grammars is None:
+            return "this engine has no grammar compiler for structured outputs"
         reason = never_fits(self.limits, len(h.prompt_token_ids), h.params.max_tokens)
         return reason.message if reason is not None else None
 
@@ -213,6 +222,8 @@ class Handovers:
         pool = self.block_pool
         while self._held and len(self._active) < self.max_batch_size:
             held = self._held[0]
+            if held.grammar is not None and not held.grammar.done():
+                return  # its grammar compiles on the worker thread; the queue keeps its order
             need = held.req.max_total_tokens
             if self._active_kv_reserved + need > self.kv_budget_tokens or not pool.can_allocate(
                     pool.blocks_needed(need)):
@@ -242,6 +253,12 @@ class Handovers:
             state.append(t)
         if h.generator_state is not None:
             state.generator.set_state(torch.frombuffer(bytearray(h.generator_state), dtype=torch.uint8))
+        if held.grammar is not None:  # raises the compile's error: the row fails (_unadopt)
+            req.grammar_template = held.grammar.result()
+            state.grammar = self._row_grammar(req)
+            for t in req.output_token_ids:  # the prefill engine's tokens: the matcher's state catches up
+                if not state.grammar.advance(t):
+                    raise ValueError("the handed-over tokens break the row's grammar")
         self._sampling[rid] = state
         req.kv_reserved = req.max_total_tokens
         self._active_kv_reserved += req.kv_reserved

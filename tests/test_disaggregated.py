@@ -366,3 +366,39 @@ def test_a_handover_that_fails_to_adopt_fails_only_its_row(tiny_llama, monkeypat
     frame2, payload2 = _frame(pair)
     assert pair.decode.receive_handover(frame2, payload2) is None
     assert len(tokens_of(run_until_idle(pair.decode)[frame2.request_id])) == 5
+
+
+def test_constrained_rows_keep_their_grammar_across_the_handover(tiny_llama, smol_tokenizer):
+    """A JSON-schema row and a choice row: the decode engine rebuilds each row's matcher from
+    the constraint's source text in the handover and advances it over the first token, so the
+    greedy output equals a monolithic engine's, and it is still the constrained output (an
+    unconstrained decode engine would give the random model's free text)."""
+    import json
+
+    from shared.constraints import Constraint, ConstraintKind
+
+    schema = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}))
+    choice = Constraint(ConstraintKind.CHOICE, json.dumps(["alpha beta gamma", "delta"]))
+    prompts = _prompts(5, 4, hi=40)
+    reqs = [make_request(pr, max_tokens=24, constraint=c) for pr, c in zip(prompts, [schema, choice, schema, None])]
+    pair = Pair(tiny_llama)
+    pair.decode.grammars = pair.prefill.grammars  # one tokenizer load; compiled once, cached by hash
+    for c in (schema, choice):
+        pair.prefill.grammars.get(c).result(timeout=120)
+    outs = pair.run({0: reqs})
+    mono = make_scheduler(tiny_llama, prefill_mode="chunked", prefill_chunk_size=16)
+    mono.grammars = pair.prefill.grammars
+    clones = [make_request(r.prompt_token_ids, max_tokens=24, constraint=r.params.constraint) for r in reqs]
+    ref = run_until_idle(mono, {0: clones})
+    handed = {f.request_id for f in pair.frames}
+    for req, clone in zip(reqs, clones):
+        assert req.request_id in handed
+        assert tokens_of(outs[req.request_id]) == tokens_of(ref[clone.request_id])
+        assert outs[req.request_id][-1].finish_reason is ref[clone.request_id][-1].finish_reason
+    assert any(f.params.constraint is not None for f in pair.frames)
+    tok = smol_tokenizer
+    ids = [t for t in tokens_of(outs[reqs[1].request_id]) if t not in pair.prefill.eos_token_ids]
+    assert tok.decode(ids) in ("alpha beta gamma", "delta")
+    for s in (pair.prefill, pair.decode):
+        assert s.active_kv_reserved == 0 and s.block_pool.num_used_blocks == 0 and not s.has_work()
