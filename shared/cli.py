@@ -44,7 +44,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Check everything, convert the model once, bind the HTTP port, then supervise the
     engines and frontends (:mod:`shared.supervisor`). Exit status: 2 for a flag or
     setting that cannot work, 78 for model files that cannot load (one line on stderr
-    either way, before anything starts), or what the supervisor returns."""
+    either way, before anything starts); after the supervisor, the process exits with its
+    status at once (:func:`~shared.process_config.exit_now`)."""
     from shared.marked_dirs import make_marked_dir
     from shared.models import ModelNotFound, gguf_source, has_weights, resolve_model
     from shared.startup_faults import StartupFault, check_model_dir, report
