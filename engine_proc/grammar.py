@@ -40,8 +40,8 @@ class GrammarCache:
     """Compiled template matchers by constraint hash, built on one worker thread.
 
     Args:
-        load_tokenizer: returns the model's Hugging Face fast tokenizer; called once,
-            on the worker thread, at the first compile.
+        load_tokenizer: returns the model's Hugging Face fast tokenizer; called once:
+            by the engine's warm-up, or else by the first compile (on the worker thread).
         vocab_size: width of the model's logits (may exceed the tokenizer's vocabulary).
         eos_token_ids: the model's EOS ids; the grammar allows them once it accepts.
         max_entries: compiled grammars kept (least recently used dropped first).
