@@ -18,6 +18,7 @@ from concurrent.futures import Future
 
 from engine_proc.grammar import GrammarCache, RowGrammar
 from engine_proc.request import Request, RequestStatus
+from shared.constraints import COMPILE_FAILED
 
 
 class Constrained:
@@ -51,7 +52,7 @@ class Constrained:
             del self._awaiting_grammar[req]
             exc = fut.exception()
             if exc is not None:
-                req.error = f"the constraint does not compile: {exc}"
+                req.error = f"{COMPILE_FAILED}: {exc}"
                 self._finish(req, RequestStatus.FINISHED_ERROR)
             else:
                 req.grammar_template = fut.result()

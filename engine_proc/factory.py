@@ -8,6 +8,7 @@ and in tools that drive a scheduler in-process.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -19,6 +20,8 @@ from engine_proc.scheduler import Scheduler
 from engine_proc.threads import ThreadPlan, usable_cpus
 from shared import config as cfg
 from shared import placement, startup_faults
+
+log = logging.getLogger("tickserve.engine")
 
 
 def load_model(config: cfg.EngineConfig):
@@ -153,7 +156,11 @@ def warm_up(scheduler: Scheduler) -> None:
     tokenizer is built here too: built while serving, it would hold the GIL long enough
     to delay the engine's heartbeats, and a first constrained request's TTFT."""
     if scheduler.grammars is not None:  # structured outputs' tokenizer (~1 s, holds the GIL): not mid-serving
-        scheduler.grammars.tokenizer()
+        try:
+            scheduler.grammars.tokenizer()
+        except Exception as exc:  # noqa: BLE001 - a model without a (fast) tokenizer still serves text
+            log.warning("structured outputs unavailable: the tokenizer does not load (%s); constrained "
+                        "requests will fail", exc)
     pool, backend, row = scheduler.block_pool, scheduler.backend, "__warm_up__"
     ids = [1] * 8
     pool.allocate(row, [], len(ids) + 2)

@@ -40,8 +40,8 @@ class GrammarCache:
     """Compiled template matchers by constraint hash, built on one worker thread.
 
     Args:
-        load_tokenizer: returns the model's Hugging Face fast tokenizer; called once,
-            on the worker thread, at the first compile.
+        load_tokenizer: returns the model's Hugging Face fast tokenizer; called once:
+            by the engine's warm-up, or else by the first compile (on the worker thread).
         vocab_size: width of the model's logits (may exceed the tokenizer's vocabulary).
         eos_token_ids: the model's EOS ids; the grammar allows them once it accepts.
         max_entries: compiled grammars kept (least recently used dropped first).
@@ -56,6 +56,7 @@ class GrammarCache:
         self.eos_token_ids = list(eos_token_ids)
         self.max_entries = max_entries
         self._tokenizer = None
+        self._tokenizer_error: Exception | None = None
         self._entries: collections.OrderedDict[str, Future] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -111,13 +112,20 @@ class GrammarCache:
             self._entries.pop(constraint.key, None)
 
     def tokenizer(self):
-        """llguidance's view of the model's tokenizer (built once, ~1 s)."""
+        """llguidance's view of the model's tokenizer (built once, ~1 s). A tokenizer that
+        cannot load raises its error now and at every later call (loaded once, not retried)."""
         if self._tokenizer is None:
+            if self._tokenizer_error is not None:
+                raise self._tokenizer_error
             import llguidance.hf
 
-            hf = self._load_tokenizer()
-            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
-                                                           eos_token=self.eos_token_ids or None)
+            try:
+                hf = self._load_tokenizer()
+                self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
+                                                               eos_token=self.eos_token_ids or None)
+            except Exception as exc:
+                self._tokenizer_error = RuntimeError(f"the model's tokenizer does not load: {exc}")
+                raise self._tokenizer_error from None
         return self._tokenizer
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse
 
 from frontend.schemas import error_body
 from shared import protocol as p
+from shared.constraints import COMPILE_FAILED
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
@@ -60,6 +61,8 @@ class EngineError(Exception):
         self.unavailable = unavailable
 
     def http_error(self) -> HTTPError:
+        if not self.unavailable and str(self).startswith(COMPILE_FAILED):  # the client's constraint
+            return HTTPError(400, str(self), code="invalid_constraint")
         return unavailable(str(self), "engine_unavailable" if self.unavailable else "engine_error")
 
 

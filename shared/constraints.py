@@ -85,6 +85,9 @@ class Constraint(Struct, frozen=True, array_like=True, forbid_unknown_fields=Tru
         return hashlib.sha256(f"{self.kind.value}\0{self.text}".encode("utf-8", "surrogatepass")).hexdigest()
 
 
+COMPILE_FAILED = "the constraint does not compile"  # how the engine's error for such a request begins
+
+
 class ConstraintError(ValueError):
     """A constraint that does not compile; the message names the problem."""
 

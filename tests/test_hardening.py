@@ -348,6 +348,8 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (["--port", "99999"], "port"),
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--kv-memory-fraction", "1.5"], "kv_memory_fraction"),
+    (["--chat-template", "/nonexistent/template.jinja"], "chat_template"),
+    (["--tool-call-parser", "mistral"], "tool_call_parser"),
 ])
 def test_bad_configuration_is_one_line_and_exit_2(args, says):
     """Finding 8: these restarted the engine forever or printed tracebacks."""

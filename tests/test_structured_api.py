@@ -260,3 +260,14 @@ def test_malformed_constraint_frames_are_refused_and_the_engine_serves_on(stack,
         wait_for(lambda: stats(base)["bad_frames"] > before["bad_frames"], 10, what="bad frame counted")
     status, out = chat(base, guided_regex="ok", max_tokens=4)
     assert status == 200 and out["choices"][0]["message"]["content"] == "ok"
+
+
+def test_a_grammar_only_the_engine_can_refuse_is_still_a_400(stack):
+    """``<[999999]>`` names a token id: the frontend's check (no vocabulary) passes it, the
+    engine's compile (with the tokenizer) fails the request, and the client gets a 400."""
+    base = stack[0]
+    status, out = chat(base, guided_grammar="start: <[999999]>")
+    assert status == 400, out
+    assert out["error"]["code"] == "invalid_constraint" and "does not compile" in out["error"]["message"]
+    status, out = chat(base, guided_regex="fine", max_tokens=4)
+    assert status == 200 and out["choices"][0]["message"]["content"] == "fine"

@@ -352,3 +352,18 @@ def test_grammar_problems_name_the_problem():
     assert grammar_problem(Constraint(ConstraintKind.GRAMMAR, "start: foo")) is not None
     assert grammar_problem(Constraint(ConstraintKind.JSON_OBJECT)) is None
     assert grammar_mod.GrammarError.__mro__[1] is ValueError
+
+
+def test_a_model_whose_tokenizer_does_not_load_fails_constrained_requests_only(sched_factory):
+    sched = sched_factory()
+
+    def no_tokenizer():
+        raise OSError("no tokenizer.json here")
+
+    sched.grammars = GrammarCache(no_tokenizer, sched.grammars.vocab_size, sched.grammars.eos_token_ids)
+    constrained = make_request(PROMPT, max_tokens=4, constraint=Constraint(ConstraintKind.REGEX, "[0-9]+"))
+    plain = make_request(PROMPT, max_tokens=4)
+    out = run_until_idle(sched, {0: [constrained, plain]})
+    assert out[constrained.request_id][-1].finish_reason is p.FinishReason.ERROR
+    assert "tokenizer does not load" in out[constrained.request_id][-1].error
+    assert len(tokens_of(out[plain.request_id])) == 4
