@@ -343,11 +343,13 @@ def test_decode_reports_charge_vtc_on_the_prefill_side_and_full_engines_take_not
         sched.step()
     assert len(free.sent) == 1 and sched.has_request(other.request_id)
     assert sched.active_kv_reserved == other.max_total_tokens and sched.stats()["handovers"]["waiting"] == 1
+    assert sched.only_waiting_for_decode  # the engine's tick loop waits instead of spinning
     free.report = hw.DecodeReport(0, 0, 100, 8)
     targets._sent_since_report.clear()
     sched.step()
     assert [h.request_id for h in free.sent] == [req.request_id, other.request_id]
     assert free.sent[1].first_output.token_ids and sched.active_kv_reserved == 0
+    assert not sched.only_waiting_for_decode
 
 
 def test_a_handover_that_fails_to_adopt_fails_only_its_row(tiny_llama, monkeypatch):
