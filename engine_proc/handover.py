@@ -150,6 +150,11 @@ class Handovers:
         self.handover_bytes += h.kv_bytes
         return True
 
+    @property
+    def only_waiting_for_decode(self) -> bool:
+        """Prefill role: all that is left are rows no decode engine can take yet."""
+        return bool(self._handing) and not len(self._pending) and not self._prefilling
+
     def take_handed_ids(self) -> list[str]:
         """Ids handed to a decode engine since the last call (they are no longer here)."""
         out, self._handed_ids = self._handed_ids, []

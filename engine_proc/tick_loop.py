@@ -68,6 +68,9 @@ class TickLoop:
                 if not self.scheduler.has_work() or self.scheduler.only_compiling():
                     self._wake.wait(0.1)  # a submit, an abort or a finished compile wakes it
                     self._wake.clear()
+                elif self.scheduler.only_waiting_for_decode:  # no decode engine has room: do not spin
+                    self._wake.wait(0.005)
+                    self._wake.clear()
         except Exception as exc:
             log.exception("tick failed; failing every request and exiting")
             self.fatal = exc

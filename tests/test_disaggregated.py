@@ -343,11 +343,13 @@ def test_decode_reports_charge_vtc_on_the_prefill_side_and_full_engines_take_not
         sched.step()
     assert len(free.sent) == 1 and sched.has_request(other.request_id)
     assert sched.active_kv_reserved == other.max_total_tokens and sched.stats()["handovers"]["waiting"] == 1
+    assert sched.only_waiting_for_decode  # the engine's tick loop waits instead of spinning
     free.report = hw.DecodeReport(0, 0, 100, 8)
     targets._sent_since_report.clear()
     sched.step()
     assert [h.request_id for h in free.sent] == [req.request_id, other.request_id]
     assert free.sent[1].first_output.token_ids and sched.active_kv_reserved == 0
+    assert not sched.only_waiting_for_decode
 
 
 def test_a_handover_that_fails_to_adopt_fails_only_its_row(tiny_llama, monkeypatch):
@@ -400,5 +402,51 @@ def test_constrained_rows_keep_their_grammar_across_the_handover(tiny_llama, smo
     tok = smol_tokenizer
     ids = [t for t in tokens_of(outs[reqs[1].request_id]) if t not in pair.prefill.eos_token_ids]
     assert tok.decode(ids) in ("alpha beta gamma", "delta")
+    for s in (pair.prefill, pair.decode):
+        assert s.active_kv_reserved == 0 and s.block_pool.num_used_blocks == 0 and not s.has_work()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_arrivals_and_aborts_keep_both_sides_consistent(tiny_llama, seed):
+    """Random prompts, lengths and aborts (on the prefill side, in flight, on the decode
+    side), a small decode pool that soft-holds: after every tick both schedulers' invariants
+    hold, every row ends exactly once, and at the end neither side holds a block or a token
+    of reservation."""
+    rng = random.Random(seed)
+    pair = Pair(tiny_llama, decode_kw={"kv_num_blocks": 10, "max_batch_size": 4})
+    reqs = [make_request(p, max_tokens=rng.randint(1, 12), ignore_eos=True)
+            for p in _prompts(100 + seed, 16, lo=3, hi=50)]
+    arrivals = {rng.randrange(0, 30): [] for _ in range(8)}
+    for r in reqs:
+        arrivals.setdefault(rng.choice(list(arrivals)), []).append(r)
+    finished: dict[str, int] = {}
+    for tick in range(2000):
+        for r in arrivals.get(tick, []):
+            pair.prefill.add_request(r)
+        if arrivals.get(tick) and rng.random() < 0.5:  # one of them aborted while it is pending
+            pair.prefill.abort_request(rng.choice(arrivals[tick]).request_id)
+        pair.hold_in_flight = rng.random() < 0.3
+        if not pair.hold_in_flight:
+            pair.deliver()
+        if rng.random() < 0.3:
+            victim = rng.choice([r for r in reqs if r.request_id not in finished] or reqs)
+            pair.prefill.abort_request(victim.request_id)
+            pair.decode.abort_request(victim.request_id)
+        for sched in (pair.prefill, pair.decode):
+            for _, out in sched.step():
+                if out.finish_reason is not None:
+                    finished[out.request_id] = finished.get(out.request_id, 0) + 1
+            sched.check_invariants()
+            assert sched.active_kv_reserved <= sched.kv_budget_tokens
+        if tick > 30 and not (pair.prefill.has_work() or pair.decode.has_work() or pair.in_flight):
+            break
+    else:
+        raise AssertionError("not idle")
+    refused = {f.request_id for f in pair.frames} - set(finished)  # tombstoned in flight: the prefill side fails them
+    assert all(n == 1 for n in finished.values())
+    assert set(finished) | refused == {r.request_id for r in reqs}
+    assert len(refused) == len(pair.refusals)
+    assert pair.decode.kv_admit_blocked > 0  # the decode side soft-held
+    assert pair.prefill.num_aborted > 0 and pair.decode.num_aborted > 0  # aborts met rows on both sides
     for s in (pair.prefill, pair.decode):
         assert s.active_kv_reserved == 0 and s.block_pool.num_used_blocks == 0 and not s.has_work()
