@@ -155,9 +155,14 @@ class PagedBackend(Backend):
             self.threads.kernels = [self.kernels, self.qmatmul]
         self.pairs_per_token = pairs_per_token(model, heads, head_dim)
         if self.runner is not None and self.qmatmul is not None:
+            from engine_proc.backends.crossover_cache import host_crossover
             from engine_proc.backends.linear import measure_crossover
 
-            self.runner.plan.quantized_below = measure_crossover(self.runner.layers[0].gate_up, param.dtype)
+            probe = self.runner.layers[0].gate_up  # once per host: engines then agree on every pass's matmul
+            self.runner.plan.quantized_below = host_crossover(
+                lambda: measure_crossover(probe, param.dtype),
+                (probe.out_features, probe.weight.shape[1] if probe.weight is not None else 0, param.dtype,
+                 low_bit.summary, self.qmatmul.isa, torch.get_num_threads()))
         self.weights_precision = f"{low_bit.summary} ({low_bit.kind})" if self.qmatmul is not None else ""
         self.matmul_plan = self._describe_matmul()
         rope_rows = self.runner.cos_sin.shape[0] if self.runner is not None else max_model_len
