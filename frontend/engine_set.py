@@ -288,6 +288,9 @@ def aggregate(per_engine: list[dict], num_engines: int) -> dict:
     total = sum(s.get("blocks", {}).get("num_blocks", 0) for s in per_engine)
     out["kv_pressure"] = used / total if total else 0.0
     out["blocks"] = {"num_used_blocks": used, "num_blocks": total}
+    block_size = per_engine[0].get("blocks", {}).get("block_size")
+    if block_size is not None:  # one server's engines share it (/metrics' cache_config_info reads it)
+        out["blocks"]["block_size"] = block_size
     rejected: dict[str, int] = {}
     for s in per_engine:
         for code, n in (s.get("rejected_by_code") or {}).items():

@@ -329,3 +329,15 @@ def test_serve_with_data_parallel_engines_reports_each(served):
     assert version["num_engines"] == 2 and version["num_engines_up"] == 2 and version["runtime"]["torch_threads"] == 1
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "two engines", "max_tokens": 3}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_aggregated_stats_keep_the_block_size():
+    """/metrics falls back to the aggregated stats before any broadcast: its
+    cache_config_info reads block_size from them."""
+    from frontend.engine_set import aggregate
+
+    per_engine = [{"blocks": {"num_used_blocks": 1, "num_blocks": 10, "block_size": 16}},
+                  {"blocks": {"num_used_blocks": 3, "num_blocks": 10, "block_size": 16}}]
+    out = aggregate(per_engine, 2)
+    assert out["blocks"] == {"num_used_blocks": 4, "num_blocks": 20, "block_size": 16}
+    assert out["kv_pressure"] == 0.2

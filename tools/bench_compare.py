@@ -3,10 +3,12 @@ checkout, or older commits in temporary git worktrees), vLLM-CPU, llama.cpp's
 ``llama-server`` on the same GGUF, or any running OpenAI-compatible server, on the same
 streaming workload, interleaved A/B/A/B.
 
-Every server is started first and left idle while the others are measured; then for
-each ``--concurrency`` level, ``--reps`` rounds run the level once on every server, in
-an order that rotates each round, so a machine whose speed drifts (shared hosts do)
-hits every server alike. A ``llama-server`` is (re)started at the start of each level
+Every server is started first; while one is measured the others are paused
+(SIGSTOP of their process groups: an idle vLLM-CPU's workers busy-poll, ~1 of 2 cores
+seen; ``--no-pause-idle`` leaves them running), and the measured one is resumed and
+warmed up again first. For each ``--concurrency`` level, ``--reps`` rounds run the
+level once on every server, in an order that rotates each round, so a machine whose speed
+drifts (shared hosts do) hits every server alike. A ``llama-server`` is (re)started at the start of each level
 with that level's slots (``-np N -c 512·N`` for N streams: 512 tokens a slot), while
 the others wait. The workload is ``tools/bench_http.py``'s: streaming
 ``/v1/completions``, prompts of ``--prompt-words`` random words (130 words ≈ 130
@@ -98,6 +100,8 @@ def parse_args(argv=None):
     ap.add_argument("--request-timeout", type=float, default=300)
     ap.add_argument("--level-timeout", type=float, default=0,
                     help="seconds for one level on one server; 0 → max(900, its output tokens / 25 tok/s)")
+    ap.add_argument("--no-pause-idle", dest="pause_idle", action="store_false",
+                    help="leave the servers not being measured running (default: SIGSTOP them meanwhile)")
     ap.add_argument("--out", help="also write the JSON summary here")
     return ap.parse_args(argv)
 
@@ -128,6 +132,15 @@ class Target:
         self.start()
         self.wait_healthy(timeout)
         bc.log(f"{self.label}: healthy at {self.url} for {streams} streams")
+
+    def pause(self, paused: bool) -> None:
+        """SIGSTOP (or SIGCONT) this server's whole process group: an idle server left
+        running still takes CPU (vLLM-CPU's idle workers busy-poll: ~1 of 2 cores seen)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def start(self) -> None:
         fd, name = tempfile.mkstemp(prefix=f"bench-compare-{self.label}-", suffix=".log")
@@ -298,6 +311,24 @@ async def warm_up(t: Target, args) -> None:
         raise RuntimeError(f"{t.label}: warm-up failed: {warm['error']}")
 
 
+async def resume_only(t: Target, targets: list[Target], args) -> None:
+    """Pause every other server, resume ``t`` and let it settle: after a stop its own
+    heartbeat watchdogs may have fired, so warm it up again (retried for 60 s)."""
+    for other in targets:
+        if other is not t:
+            other.pause(True)
+    t.pause(False)
+    deadline = time.monotonic() + 60
+    while True:
+        await asyncio.sleep(2.0)
+        try:
+            await warm_up(t, args)
+            return
+        except Exception as exc:  # noqa: BLE001 - retried until the deadline
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{t.label}: not answering after a pause: {exc}") from None
+
+
 async def measure(targets: list[Target], args) -> dict:
     for t in targets:
         if t.cmd_for_level is None:
@@ -317,6 +348,8 @@ async def measure(targets: list[Target], args) -> dict:
             order = targets[rep % len(targets):] + targets[:rep % len(targets)]
             for t in order:
                 bc.log(f"level {c}, round {rep + 1}/{args.reps}: {t.label}")
+                if args.pause_idle:
+                    await resume_only(t, targets, args)
                 level = await run_level(t.url, c, n, level_args)
                 level["round"] = rep
                 runs[t.label].setdefault(c, []).append(level)
@@ -446,6 +479,7 @@ def main(argv=None) -> int:
         runs = asyncio.run(measure(targets, args))
     finally:
         for t in targets:
+            t.pause(False)  # a stopped process group would not see SIGTERM
             t.stop()
         for tree in trees:
             remove_worktree(tree)
