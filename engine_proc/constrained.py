@@ -59,9 +59,10 @@ class Constrained:
                 self.policy.on_request_arrived(req)
 
     def _grammar_waiting_only(self) -> bool:
-        """Every request in the engine waits for a compile that is still running."""
-        return (len(self._awaiting_grammar) == len(self._requests)
-                and not any(f.done() for f in self._awaiting_grammar.values()))
+        """Every request in the engine waits for a compile that is still running (and there
+        is one; handovers a decode engine holds are work too)."""
+        return (bool(self._awaiting_grammar) and len(self._awaiting_grammar) == len(self._requests)
+                and not self.held_requests() and not any(f.done() for f in self._awaiting_grammar.values()))
 
     def _row_grammar(self, req: Request) -> RowGrammar | None:
         """The matcher of an admitted row (its compile is done), or None."""
