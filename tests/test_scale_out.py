@@ -325,7 +325,8 @@ def test_serve_with_data_parallel_engines_reports_each(served):
     s = stats(base)
     assert len(s["engines"]) == 2
     assert all(e["runtime"]["torch_threads"] == 1 for e in s["engines"])
-    version = httpx.get(f"{base}/version", timeout=10).json()
+    version = wait_for(lambda: (v := httpx.get(f"{base}/version", timeout=10).json())["num_engines_up"] == 2 and v,
+                       30, what="/version with both engines up")  # a heartbeat late on a loaded host
     assert version["num_engines"] == 2 and version["num_engines_up"] == 2 and version["runtime"]["torch_threads"] == 1
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "two engines", "max_tokens": 3}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
