@@ -78,10 +78,16 @@ def decode(frame: bytes, side: str = "any") -> Any:
     anything else: too large, not msgpack, an unknown or wrong-side tag, a missing,
     extra or ill-typed field, a value out of range.
     """
-    if len(frame) > MAX_FRAME_BYTES:
-        raise DecodeError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    return decode_bounded(_decoders[side], frame, MAX_FRAME_BYTES, "frame")
+
+
+def decode_bounded(decoder: msgspec.msgpack.Decoder, frame: bytes | memoryview, limit: int, what: str):
+    """``decoder.decode(frame)`` for a frame of at most ``limit`` bytes; every failure is
+    a :class:`DecodeError` (``what`` names the frame in the size message)."""
+    if len(frame) > limit:
+        raise DecodeError(f"{what} of {len(frame)} bytes exceeds {limit}")
     try:
-        return _decoders[side].decode(frame)
+        return decoder.decode(frame)
     except msgspec.ValidationError as exc:
         raise DecodeError(str(exc)) from None
     except msgspec.DecodeError as exc:

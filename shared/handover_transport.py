@@ -49,7 +49,7 @@ import zmq
 
 from shared import handover_wire as hw
 from shared.codec import DecodeError
-from shared.shm_ring import FRAME_SEALS, PeerFault, require_seals
+from shared.shm_ring import FRAME_SEALS, PeerFault, fds_of, require_seals
 
 SOCKET_NAME = "handover.sock"
 HEADER = struct.Struct("<cQQ")  # b"H", metadata bytes, KV bytes
@@ -176,7 +176,7 @@ class HandoverServer:
             except OSError:
                 self._drop(fd)
                 return
-            fds = _fds_of(ancdata)
+            fds = fds_of(ancdata)
             if not data and not fds:  # end of file: the prefill engine went away
                 self._drop(fd)
                 return
@@ -317,9 +317,3 @@ class HandoverServer:
             self._router.close(0)
 
 
-def _fds_of(ancdata) -> list[int]:
-    fds = array.array("i")
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    return list(fds)

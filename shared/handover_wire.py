@@ -28,7 +28,7 @@ from typing import Annotated, Union
 import msgspec
 from msgspec import Meta, Struct
 
-from shared.codec import DecodeError
+from shared.codec import DecodeError, decode_bounded
 from shared.protocol import (MAX_ID_CHARS, MAX_LIST, MAX_PROMPT_TOKENS, Count, Id, Priority, RequestOutput,
                              SamplingParams, TokenId)
 
@@ -123,14 +123,7 @@ def encode(msg) -> bytes:
 def decode(frame: bytes | memoryview, side: str):
     """One frame for ``side`` (``"decode"``: what a decode engine receives; ``"prefill"``).
     Raises :class:`DecodeError` for anything that is not exactly such a message."""
-    if len(frame) > MAX_META_BYTES:
-        raise DecodeError(f"handover frame of {len(frame)} bytes exceeds {MAX_META_BYTES}")
-    try:
-        return _decoders[side].decode(frame)
-    except msgspec.ValidationError as exc:
-        raise DecodeError(str(exc)) from None
-    except msgspec.DecodeError as exc:
-        raise DecodeError(f"not a msgpack message: {exc}") from None
+    return decode_bounded(_decoders[side], frame, MAX_META_BYTES, "handover frame")
 
 
 def layout_problem(h: Handover, payload_bytes: int, local: KVLayout) -> str | None:

@@ -62,7 +62,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from shared.shm_ring import (BROADCAST, DATA, DATA_KIND, FRAME_SEALS, HEAD, OVERFLOW_KIND, OWN, REC_SIZE, TAIL,
+from shared.shm_ring import (fds_of, BROADCAST, DATA, DATA_KIND, FRAME_SEALS, HEAD, OVERFLOW_KIND, OWN, REC_SIZE, TAIL,
                              WRAP_KIND, PeerFault, PeerGone, Ring, RingFull, fence, require_seals, sealed_memfd)
 
 log = logging.getLogger(__name__)
@@ -108,14 +108,6 @@ def drain_doorbell(fd: int) -> None:
         pass
 
 
-def _fds_of(ancdata) -> list[int]:
-    fds = array.array("i")
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    return list(fds)
-
-
 def recv_message(sock: socket.socket, size: int = 4096) -> tuple[bytes, list[int]] | None:
     """One whole message and the fds it carried, without blocking; ``None`` when none is
     waiting. Raises :class:`PeerGone` at end of file and :class:`PeerFault` when the
@@ -126,7 +118,7 @@ def recv_message(sock: socket.socket, size: int = 4096) -> tuple[bytes, list[int
         return None
     except OSError as exc:
         raise PeerGone(str(exc)) from None
-    fds = _fds_of(ancdata)
+    fds = fds_of(ancdata)
     if not msg and not fds:
         raise PeerGone("the peer closed its socket")
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):

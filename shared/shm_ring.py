@@ -68,11 +68,13 @@ auto`` falls back to ZeroMQ.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import fcntl
 import mmap
 import os
 import platform
+import socket
 import struct
 
 HEAD, TAIL, EPOCH, CAPACITY, DATA = 0, 64, 128, 192, 256  # byte offsets
@@ -318,3 +320,13 @@ class Ring:
         self._idx.release()
         self.buf.release()
         self.map.close()
+
+
+def fds_of(ancdata) -> list[int]:
+    """The file descriptors an ``SCM_RIGHTS`` control message carried (``recvmsg``'s
+    ``ancdata``); a truncated trailing one is dropped."""
+    fds = array.array("i")
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return list(fds)
