@@ -12,8 +12,8 @@ kernel cache; the others, and later starts, read it.
     <TICKSERVE_CACHE_DIR>/kernels/matmul-crossover-<key>.lock   flock(2) held while one process measures
 
 The key covers what the answer depends on: the CPU (``shared.native_build.cpu_signature``),
-the torch version, the caller's parts (layer shape, dtype, low-bit format and kernel ISA,
-threads). A file that does not parse, or holds anything but a positive row count, is
+the torch version, the caller's parts (layer shape, dtype, low-bit format, kernel ISA and
+source digest, threads). A file that does not parse, or holds anything but a positive row count, is
 measured again and replaced; an unwritable cache only costs the measurement.
 """
 

@@ -162,7 +162,7 @@ class PagedBackend(Backend):
             self.runner.plan.quantized_below = host_crossover(
                 lambda: measure_crossover(probe, param.dtype),
                 (probe.out_features, probe.weight.shape[1] if probe.weight is not None else 0, param.dtype,
-                 low_bit.summary, self.qmatmul.isa, torch.get_num_threads()))
+                 low_bit.summary, self.qmatmul.isa, self.qmatmul.source_digest, torch.get_num_threads()))
         self.weights_precision = f"{low_bit.summary} ({low_bit.kind})" if self.qmatmul is not None else ""
         self.matmul_plan = self._describe_matmul()
         rope_rows = self.runner.cos_sin.shape[0] if self.runner is not None else max_model_len

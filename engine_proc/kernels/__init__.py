@@ -155,6 +155,7 @@ class QMatmul:
         self.dtype = dtype
         self.num_threads = num_threads
         self.isa = self.lib.qmatmul_isa().decode()
+        self.source_digest = source_digest()  # the crossover cache's key: a changed kernel is timed again
 
     def __call__(self, w, x: torch.Tensor, bias: torch.Tensor | None = None, out_f32: bool = False) -> torch.Tensor:
         """``x`` ``[T, in]`` (the compiled dtype, rows contiguous) → ``[T, out]`` in that
@@ -168,6 +169,15 @@ class QMatmul:
                                   self.num_threads):
             raise MemoryError("qmatmul: no scratch memory")
         return y
+
+
+def source_digest() -> str:
+    """The first 16 hex digits of ``qmatmul.c``'s SHA-256."""
+    import hashlib
+
+    from engine_proc.kernels.build import QMATMUL_SOURCE
+
+    return hashlib.sha256(QMATMUL_SOURCE.read_bytes()).hexdigest()[:16]
 
 
 def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int, group: int, block_size: int,

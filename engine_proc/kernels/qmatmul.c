@@ -107,6 +107,40 @@ static inline float half_to_float(uint16_t h) {
  * da[r·2nb + h] (h: the half-block), and sa[r·nb + b] = Σ over the block's two halves of
  * da · Σ qa. Half-blocks: an outlier costs the precision of 15 neighbours, not 31 (on
  * SmolLM2 in bfloat16, top-1 agreement with the de-quantized weights 0.94 → 0.95). */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+/* The same arithmetic sixteen inputs at a time: vcvtps2dq rounds to nearest even as
+ * nearbyintf does under the default rounding mode, and the clamp is the scalar form's, so
+ * the codes and scales are bit-identical to it. Scalar, this took ~20 % of a 64-row pass
+ * (84 µs for 64 × 576 inputs; 24 µs so). */
+static void quantize_rows(const scalar_t *x, int64_t ldx, int M, int K, int8_t *qa, float *da, float *sa) {
+    const int nb = K / QB;
+    for (int r = 0; r < M; r++) {
+        const scalar_t *xr = x + (int64_t)r * ldx;
+        for (int b = 0; b < nb; b++) {
+            float block_sum = 0.0f;
+            for (int h = 0; h < 2; h++) {
+                const int at = b * QB + h * HB;
+#if SCALAR_BF16
+                const __m512 v = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xr + at))), 16));
+#else
+                const __m512 v = _mm512_loadu_ps(xr + at);
+#endif
+                const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
+                const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+                const __m512i qi = _mm512_max_epi32(
+                    _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(id))), _mm512_set1_epi32(127)),
+                    _mm512_set1_epi32(-127));
+                _mm_storeu_si128((__m128i *)(qa + (int64_t)r * K + at), _mm512_cvtsepi32_epi8(qi));
+                da[(int64_t)r * 2 * nb + 2 * b + h] = d;
+                block_sum += d * (float)_mm512_reduce_add_epi32(qi);
+            }
+            sa[(int64_t)r * nb + b] = block_sum;
+        }
+    }
+}
+#else
 static void quantize_rows(const scalar_t *x, int64_t ldx, int M, int K, int8_t *qa, float *da, float *sa) {
     const int nb = K / QB;
     for (int r = 0; r < M; r++) {
@@ -137,6 +171,8 @@ static void quantize_rows(const scalar_t *x, int64_t ldx, int M, int K, int8_t *
     }
 }
 
+#endif
+
 static inline void store_tile(float *acc, const float *bias, void *y, int64_t ldy, int r, int n0, int out_f32) {
     if (bias)
         for (int n = 0; n < TILE; n++) acc[n] += bias[n0 + n];
@@ -154,7 +190,14 @@ static inline void store_tile(float *acc, const float *bias, void *y, int64_t ld
 #define ISA "avx512vnni"
 #define MR 8
 
-/* One tile over `rows` (≤ MR, a constant after inlining) rows of quantized x. */
+/* One tile over `rows` (≤ MR, a constant after inlining) rows of quantized x.
+ *
+ * Per block the tile's weights are unpacked once into eight vectors (Q4: four of low and
+ * four of high nibbles; Q8: the eight 64-byte groups), then each row takes its eight
+ * vpdpbusd into two integer sums and folds them into its float accumulator at once.
+ * Only the weights, one row's two sums and the MR accumulators are live (about 20 of
+ * the 32 vector registers): keeping every row's sums across the block instead needs
+ * 8 + 2·MR + MR registers and spilled (measured at 64 rows: Q8 1.4x, Q4 1.1x slower). */
 static inline __attribute__((always_inline)) void tile_rows(int fmt, const uint8_t *w, int nb, const int8_t *qa,
                                                             const float *da, const float *sa, int K, int rows,
                                                             __m512 *acc) {
@@ -162,43 +205,33 @@ static inline __attribute__((always_inline)) void tile_rows(int fmt, const uint8
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     const int step = fmt == FMT_Q4 ? Q4_BYTES : Q8_BYTES;
     for (int b = 0; b < nb; b++, w += step) {
-        __m512i lo_dot[MR], hi_dot[MR]; /* inputs 0-15 and 16-31 of the block: one activation scale each */
-        for (int r = 0; r < rows; r++) lo_dot[r] = hi_dot[r] = _mm512_setzero_si512();
+        __m512i wv[8]; /* wv[0..3]: inputs 0-15 of the block (4 a vector), wv[4..7]: inputs 16-31 */
         if (fmt == FMT_Q4) {
             for (int v = 0; v < 4; v++) {
                 const __m512i raw = _mm512_loadu_si512(w + 64 * v);
-                const __m512i lo = _mm512_and_si512(raw, low);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-                for (int r = 0; r < rows; r++) {
-                    const int8_t *q = qa + (int64_t)r * K + b * QB;
-                    int32_t a_lo, a_hi;
-                    memcpy(&a_lo, q + 4 * v, 4);
-                    memcpy(&a_hi, q + 16 + 4 * v, 4);
-                    lo_dot[r] = _mm512_dpbusd_epi32(lo_dot[r], lo, _mm512_set1_epi32(a_lo));
-                    hi_dot[r] = _mm512_dpbusd_epi32(hi_dot[r], hi, _mm512_set1_epi32(a_hi));
-                }
+                wv[v] = _mm512_and_si512(raw, low);
+                wv[4 + v] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
             }
         } else {
-            for (int v = 0; v < 8; v++) {
-                const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(w + 64 * v), flip); /* q + 128 */
-                for (int r = 0; r < rows; r++) {
-                    int32_t a;
-                    memcpy(&a, qa + (int64_t)r * K + b * QB + 4 * v, 4);
-                    if (v < 4)
-                        lo_dot[r] = _mm512_dpbusd_epi32(lo_dot[r], u, _mm512_set1_epi32(a));
-                    else
-                        hi_dot[r] = _mm512_dpbusd_epi32(hi_dot[r], u, _mm512_set1_epi32(a));
-                }
-            }
+            for (int v = 0; v < 8; v++) wv[v] = _mm512_xor_si512(_mm512_loadu_si512(w + 64 * v), flip); /* q + 128 */
         }
         const int off = fmt == FMT_Q4 ? 256 : 512;
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + off)));
         const __m512 mw = fmt == FMT_Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + off + 32)))
                                         : _mm512_mul_ps(dw, _mm512_set1_ps(-128.0f));
         for (int r = 0; r < rows; r++) {
+            const int8_t *q = qa + (int64_t)r * K + b * QB;
+            __m512i lo_dot = _mm512_setzero_si512(), hi_dot = _mm512_setzero_si512();
+            for (int v = 0; v < 4; v++) {
+                int32_t a_lo, a_hi;
+                memcpy(&a_lo, q + 4 * v, 4);
+                memcpy(&a_hi, q + 16 + 4 * v, 4);
+                lo_dot = _mm512_dpbusd_epi32(lo_dot, wv[v], _mm512_set1_epi32(a_lo));
+                hi_dot = _mm512_dpbusd_epi32(hi_dot, wv[4 + v], _mm512_set1_epi32(a_hi));
+            }
             const float *d = da + (int64_t)r * 2 * nb + 2 * b;
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_dot[r]), _mm512_mul_ps(dw, _mm512_set1_ps(d[0])), acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_dot[r]), _mm512_mul_ps(dw, _mm512_set1_ps(d[1])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo_dot), _mm512_mul_ps(dw, _mm512_set1_ps(d[0])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_dot), _mm512_mul_ps(dw, _mm512_set1_ps(d[1])), acc[r]);
             acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sa[(int64_t)r * nb + b]), acc[r]);
         }
     }
