@@ -10,9 +10,14 @@ name for the profiled run only. Reports per mode: ms per step, tokens/s, the rat
 against transformers' forward in the same run, and the profile's top entries by self
 CPU time (matmuls, kernels, the rest). Prints one JSON document.
 
+With ``--quantization auto|int8|int4`` a third mode, ``served``, builds the backend as an
+engine does (``engine_proc.factory``: the GGUF's low-bit weights, the host's measured
+low-bit/dense crossover) and profiles the low-bit matmul (``tickserve::qmatmul``) too.
+
 Usage:
     python tools/bench_step.py                                  # batch 1 and 64, bfloat16
     python tools/bench_step.py --batch 1 16 64 --dtype float32 --threads 1
+    python tools/bench_step.py --batch 64 128 --threads 1 --quantization auto   # as `tickserve serve` runs
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--top", type=int, default=12, help="profile rows to report")
+    ap.add_argument("--quantization", default="", help="also profile the served path with these weights (auto, int8, int4)")
     ap.add_argument("--out", help="also write the JSON summary here")
     return ap.parse_args(argv)
 
@@ -57,7 +63,26 @@ def _profiled_kernels(kernels):
     return originals
 
 
-def run_mode(model, batch: int, args, runner: bool) -> dict:
+def _profiled_qmatmul(backend):
+    """Wrap the low-bit matmul of every layer in record_function (profiled run only)."""
+    import torch
+
+    if backend.qmatmul is None:
+        return
+    inner = backend.qmatmul
+
+    def wrapped(*a, **kw):
+        with torch.profiler.record_function("tickserve::qmatmul"):
+            return inner(*a, **kw)
+    for layer in backend.runner.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if lin.qmatmul is not None:
+                lin.qmatmul = wrapped
+    if backend.runner.lm_head.qmatmul is not None:
+        backend.runner.lm_head.qmatmul = wrapped
+
+
+def run_mode(model, batch: int, args, runner: bool, engine_config=None) -> dict:
     import torch
 
     from engine_proc.backends.base import PrefillChunk
@@ -65,7 +90,12 @@ def run_mode(model, batch: int, args, runner: bool) -> dict:
     from engine_proc.block_pool import BlockPool
 
     pool = BlockPool(batch * (-(-(args.context + 4 * args.steps * (args.repeats + 2)) // 16) + 1), 16)
-    backend = PagedBackend(model, 4096, pool, runner=None if runner else False)
+    if engine_config is not None:  # as an engine builds it
+        from engine_proc.factory import make_backend
+
+        backend = make_backend(engine_config, model, 4096, pool)
+    else:
+        backend = PagedBackend(model, 4096, pool, runner=None if runner else False)
     rows = [f"r{i}" for i in range(batch)]
     for r in rows:
         pool.allocate(r, [], args.context + 4 * args.steps * (args.repeats + 2))
@@ -88,6 +118,8 @@ def run_mode(model, batch: int, args, runner: bool) -> dict:
             step()
         best = min(best, (time.perf_counter() - t0) / args.steps)
     originals = _profiled_kernels(backend.kernels) if backend.runner is not None else {}
+    if engine_config is not None:
+        _profiled_qmatmul(backend)  # the backend is not used after this run
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             step()
@@ -98,7 +130,8 @@ def run_mode(model, batch: int, args, runner: bool) -> dict:
     top = [{"op": e.key, "ms_per_step": round(e.self_cpu_time_total / 1e3 / args.steps, 3),
             "share": round(e.self_cpu_time_total / total, 3), "calls_per_step": e.count // args.steps}
            for e in events[:args.top]]
-    return {"runner": backend.model_runner, "kernels": backend.kernels.name, "ms_per_step": round(best * 1e3, 2),
+    return {"runner": backend.model_runner, "kernels": backend.kernels.name, "matmul": backend.matmul_plan,
+            "weights": getattr(backend, "weights_precision", "") or "dense", "ms_per_step": round(best * 1e3, 2),
             "tokens_per_s": round(batch / best, 1), "profile_top": top}
 
 
@@ -123,6 +156,16 @@ def main(argv=None) -> int:
         row["speedup_vs_transformers"] = round(row["transformers"]["ms_per_step"] / row["tickserve"]["ms_per_step"], 2)
         bc.log(f"B={batch}: transformers {row['transformers']['ms_per_step']} ms, "
                f"tickserve {row['tickserve']['ms_per_step']} ms ({row['speedup_vs_transformers']}x)")
+        if args.quantization:
+            from engine_proc.factory import load_model
+            from shared import config as cfg
+
+            engine_config = cfg.build(cfg.EngineConfig, {}, {}, model=args.model, dtype=args.dtype,
+                                      quantization=args.quantization, torch_threads=torch.get_num_threads())
+            served, _ = load_model(engine_config)
+            row["served"] = run_mode(served, batch, args, True, engine_config)
+            row["served_vs_tickserve"] = round(row["tickserve"]["ms_per_step"] / row["served"]["ms_per_step"], 2)
+            bc.log(f"B={batch}: served ({row['served']['matmul']}) {row['served']['ms_per_step']} ms")
         results.append(row)
     bc.emit({"benchmark": "decode_step_profile", "model": model_dir, "dtype": str(dtype).removeprefix("torch."),
              "context": args.context, "env": {**bc.torch_info(), **bc.machine_info("end")}, "results": results},
