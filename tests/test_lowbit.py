@@ -266,3 +266,25 @@ def test_two_engines_starting_at_once_pack_the_weights_once(tiny_gguf, tmp_path,
     assert len(results) == 2 and len(calls) == 1
     assert results[0].summary == results[1].summary == "Q4_0×8 Q4_1×6 Q8_0×1"
     assert (entry / lowbit_model.CACHE_FILE).exists()
+
+
+def test_a_changed_kernel_has_its_crossover_measured_again(tiny_gguf, tiny_model_dir, tmp_path, monkeypatch):
+    """The host's cached crossover is keyed on qmatmul.c's source digest: an engine with
+    the same kernel reads the answer, one whose kernel changed measures it again."""
+    from engine_proc import gguf_weights, kernels, lowbit_model
+    from engine_proc.backends import linear
+
+    monkeypatch.setenv("TICKSERVE_CACHE_DIR", str(tmp_path))
+    model, path = tiny_gguf
+    weights = gguf_weights.read(path, model.config)
+    packed_model = lowbit_model.model_from_packed(tiny_model_dir, weights, torch.float32)
+    setattr(packed_model, lowbit_model.LOW_BIT_ATTR, weights)
+    measured = []
+    monkeypatch.setattr(linear, "measure_crossover", lambda layer, dtype: measured.append(1) or 8 * len(measured))
+    plans = []
+    for digest in ("aaaa", "aaaa", "bbbb"):
+        monkeypatch.setattr(kernels, "source_digest", lambda d=digest: d)
+        backend = make_scheduler(packed_model).backend
+        assert backend.qmatmul.source_digest == digest
+        plans.append(backend.runner.plan.quantized_below)
+    assert len(measured) == 2 and plans == [8, 8, 16]
