@@ -321,8 +321,10 @@ def test_auto_data_parallel_size_splits_the_cores_within_memory(tmp_path, monkey
 
 def test_serve_with_data_parallel_engines_reports_each(served):
     proc, base = served
-    wait_for(lambda: stats(base)["num_engines_up"] == 2, 60, what="both engines up")
-    s = stats(base)
+    # one snapshot with both engines up and both engines' stats: an engine's heartbeat and its
+    # stats broadcast arrive separately, so a loaded host can show one before the other
+    s = wait_for(lambda: (s := stats(base))["num_engines_up"] == 2 and len(s["engines"]) == 2 and s, 60,
+                 what="both engines up with their stats")
     assert len(s["engines"]) == 2
     assert all(e["runtime"]["torch_threads"] == 1 for e in s["engines"])
     version = wait_for(lambda: (v := httpx.get(f"{base}/version", timeout=10).json())["num_engines_up"] == 2 and v,
