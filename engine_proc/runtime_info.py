@@ -31,9 +31,28 @@ def runtime_info(config: cfg.EngineConfig, scheduler: Scheduler, model_dir: str 
         prefill_mode=scheduler.prefill_mode.value, policy=config.policy,
         transport=("shm+" if config.transport != "zmq" and config.run_dir else "") + "zmq " + "+".join(schemes),
         model_fingerprint=model_fingerprint(model_dir) if model_dir else "",
-        kernels=getattr(getattr(backend, "kernels", None), "name", ""),
+        kernels=_kernels_of(backend),
         model_runner=getattr(backend, "model_runner", "transformers"),
         single_thread_below=backend.threads.single_thread_below if getattr(backend, "threads", None) else 0,
+        **_lending_of(backend),
         kv_block_size=scheduler.block_pool.block_size, kv_num_blocks=scheduler.block_pool.num_blocks,
         weights=getattr(backend, "weights_precision", "") or (str(dtype).removeprefix("torch.") if dtype else ""),
         matmul=getattr(backend, "matmul_plan", ""), role=config.role)
+
+
+def _kernels_of(backend) -> str:
+    """``c (attention amx-bf16)``, ``torch``, or "" (no paged kernels)."""
+    kernels = getattr(backend, "kernels", None)
+    return getattr(kernels, "description", None) or getattr(kernels, "name", "")
+
+
+def _lending_of(backend) -> dict:
+    """``lent_threads`` / ``lend_below`` of the thread plan (engine_proc/core_lending.py); zeros without a board."""
+    plan = getattr(backend, "threads", None)
+    board = getattr(plan, "board", None)
+    if board is None or not plan.lend_below:
+        return {}
+    from engine_proc.threads import usable_cpus
+
+    most = min(usable_cpus(), plan.max_threads * board.engines)
+    return {"lent_threads": max(0, most - plan.max_threads), "lend_below": min(plan.lend_below, 1 << 30)}

@@ -245,9 +245,11 @@ class RuntimeInfo(Struct, frozen=True, array_like=True):
     policy: str  # "fcfs" | "fair"
     transport: str = ""  # how frontends reach the engine, e.g. "zmq ipc", "zmq tcp"
     model_fingerprint: str = ""  # hex digest of config + tokenizer files; frontends compare theirs
-    kernels: str = ""  # paged backend: "c" (compiled for this CPU) | "torch"; "" for hf
+    kernels: str = ""  # paged backend: "c (attention amx-bf16)" (compiled for this CPU) | "torch"; "" for hf
     model_runner: str = ""  # "tickserve llama" | "transformers"
     single_thread_below: int = 0  # passes of fewer tokens run on one thread (0: never)
+    lent_threads: int = 0  # at most this many more threads for a low-bit pass while sibling engines idle
+    lend_below: int = 0  # ... for passes of fewer tokens than this
     kv_block_size: int = 0  # tokens per KV block (0: not reported)
     kv_num_blocks: int = 0  # blocks in the KV pool
     weights: str = ""  # weights' precision: "bfloat16", or the packed types, e.g. "Q4_1×210 Q8_0×1 (gguf)"
@@ -259,7 +261,10 @@ class RuntimeInfo(Struct, frozen=True, array_like=True):
         threads = f"{self.torch_threads} thread{'s' if self.torch_threads != 1 else ''}"
         if self.single_thread_below and self.torch_threads > 1:
             threads += f" (1 below {self.single_thread_below} tokens a pass)"
-        backend = self.backend + (f" ({self.model_runner}, {self.kernels} kernels)" if self.kernels else "")
+        if self.lent_threads:
+            when = "every pass" if self.lend_below >= 1 << 30 else f"passes below {self.lend_below} tokens"
+            threads += f" (up to {self.torch_threads + self.lent_threads} on idle engines' cores: {when})"
+        backend = self.backend + (f" ({self.model_runner}, kernels {self.kernels})" if self.kernels else "")
         weights = f", weights {self.weights}" if self.weights else ""
         return (f"device {self.device}, dtype {self.dtype}{weights}, {threads}, backend {backend}, "
                 f"prefill {self.prefill_mode}, policy {self.policy}"

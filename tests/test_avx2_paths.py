@@ -1,4 +1,4 @@
-"""The paths a host without AVX-512 takes, tested on any x86 host that can run AVX2:
+"""The paths a host without AVX-512 (or without AMX) takes, tested on any x86 host that can run AVX2:
 ``cpu_kernels.c`` compiled for x86-64-v3 (AVX2, FMA; no AVX-512, no native bf16)
 against the torch ops, and a whole engine pass with torch itself held to AVX2
 (``ATEN_CPU_CAPABILITY=avx2``) giving the same greedy tokens as the default."""
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine_proc.kernels import CKernels, TorchKernels
-from engine_proc.kernels.build import CFLAGS, DTYPES, SIGNATURES, SOURCE, KernelShape
+from engine_proc.kernels.build import CFLAGS, DTYPES, RESTYPES, SIGNATURES, SOURCE, KernelShape
 from shared.native_build import compiler
 from tests.test_kernels import TOL, _cache, _sdpa_reference, _tables
 
@@ -33,19 +33,53 @@ pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or compiler() is 
                                 reason="needs an x86-64 host with AVX2 and a C compiler")
 
 
-def _avx2_kernels(tmp_path, dtype, d, group, bs) -> CKernels:
-    """CKernels whose library is built for x86-64-v3 instead of the host."""
-    out = tmp_path / f"cpu_kernels-avx2-{DTYPES[dtype]}-{d}-{group}-{bs}.so"
-    flags = [f for f in CFLAGS if not f.startswith("-march")] + ["-march=x86-64-v3"]
+def _avx2_kernels(tmp_path, dtype, d, group, bs, march=("-march=x86-64-v3",)) -> CKernels:
+    """CKernels whose library is built for x86-64-v3 (or ``march``) instead of the host."""
+    out = tmp_path / f"cpu_kernels-{abs(hash(march))}-{DTYPES[dtype]}-{d}-{group}-{bs}.so"
+    flags = [f for f in CFLAGS if not f.startswith("-march")] + list(march)
     subprocess.run([compiler(), *flags, *KernelShape(dtype, d, group, bs).defines(), str(SOURCE), "-o", str(out),
                     "-lm"], check=True, capture_output=True, timeout=120)
     lib = ctypes.CDLL(str(out))
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = RESTYPES.get(name)
     kernels = CKernels.__new__(CKernels)
     TorchKernels.__init__(kernels, d, group, bs)
     kernels.lib, kernels.dtype, kernels.num_threads = lib, dtype, 2
+    kernels.attention_isa = lib.decode_attention_isa().decode()
     return kernels
+
+
+def _has(*flags) -> bool:
+    try:
+        return set(flags) <= set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return False
+
+
+@pytest.mark.skipif(not _has("amx_tile", "amx_bf16"), reason="needs a host with AMX (bf16 tiles)")
+@pytest.mark.parametrize("d,group,bs", [(64, 3, 16), (64, 1, 32), (128, 4, 16)])
+def test_decode_attention_on_amx_tiles_matches_the_vector_path(tmp_path, d, group, bs):
+    """On an AMX host the host build multiplies in tiles; the same source built without AMX
+    takes vdpbf16ps. Both agree with SDPA, on lengths that end mid-block, mid-pair and on a
+    block edge, and past the two-pass limit (online softmax, vectors in both)."""
+    kvh, dtype = 2, torch.bfloat16
+    heads = kvh * group
+    tiles = CKernels(dtype, d, group, bs, num_threads=2)
+    vectors = _avx2_kernels(tmp_path, dtype, d, group, bs,
+                            march=("-march=native", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"))
+    assert (tiles.attention_isa, vectors.attention_isa) == ("amx-bf16", "avx512-bf16")
+    lens = [1, 2, 15, 16, 17, 31, 33, 200, 4097]
+    num_blocks = sum(-(-n // bs) for n in lens) + 2
+    cache = _cache(num_blocks, bs, kvh, d, dtype, seed=5)
+    tables = _tables(lens, bs, num_blocks, seed=5)
+    q = torch.randn(len(lens), heads * d).to(dtype)
+    args = (q, cache.keys[0], cache.values[0], tables, torch.tensor(lens, dtype=torch.int32), d ** -0.5)
+    want = _sdpa_reference(q, cache, tables, lens, heads, kvh, d, d ** -0.5)
+    got_tiles, got_vectors = tiles.decode_attention(*args), vectors.decode_attention(*args)
+    assert (got_tiles.float() - want).abs().max().item() < TOL[dtype]
+    assert (got_vectors.float() - want).abs().max().item() < TOL[dtype]
+    assert (got_tiles.float() - got_vectors.float()).abs().max().item() < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

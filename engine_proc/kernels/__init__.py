@@ -105,6 +105,13 @@ class CKernels(TorchKernels):
         self.lib = load(KernelShape(dtype, head_dim, group, block_size))
         self.dtype = dtype
         self.num_threads = num_threads
+        #: the instructions of decode attention's usual rows ("amx-bf16", "avx512-bf16", "vector")
+        self.attention_isa = self.lib.decode_attention_isa().decode()
+
+    @property
+    def description(self) -> str:
+        """What the runtime record names: ``c (attention amx-bf16)``."""
+        return f"c (attention {self.attention_isa})"
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale):
         b = q.shape[0]

@@ -83,7 +83,9 @@ SIGNATURES = {
     "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I],
     "silu_and_mul": [_P, _P, _I, _I, _I],
     "argmax_rows": [_P, _I64, _I, _I, _P, _I],
+    "decode_attention_isa": [],
 }
+RESTYPES = {"decode_attention_isa": ctypes.c_char_p}
 
 
 QMATMUL_SOURCE = Path(__file__).with_name("qmatmul.c")
@@ -97,7 +99,7 @@ def load(shape: KernelShape) -> ctypes.CDLL:
     """Build (if needed) and load the library for ``shape``; its functions carry their
     argument types. A library that passed the cache's checks but still does not load is
     rebuilt once. Raises :class:`KernelsUnavailable`."""
-    return _load(lambda: build(shape), {name: (args, None) for name, args in SIGNATURES.items()})
+    return _load(lambda: build(shape), {name: (args, RESTYPES.get(name)) for name, args in SIGNATURES.items()})
 
 
 def load_qmatmul(dtype: torch.dtype) -> ctypes.CDLL:

@@ -81,6 +81,21 @@ typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 #define DPBF16 0
 #endif
 
+/* AMX (Intel's tile matrix unit, Sapphire Rapids and later): with bfloat16 and a head
+ * dimension of 64 or 128, rows of up to TWO_PASS_MAX keys take both matrix products of
+ * attention as tile multiplies (attend_two_pass_amx). -march=native defines __AMX_BF16__
+ * only where the CPU has it; the kernel also needs the kernel's permission to use the
+ * tile state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once per process), and falls back to
+ * the vector path without it. */
+#if PAIRED && defined(__AMX_TILE__) && defined(__AMX_BF16__) && GROUP <= 16 && (HEAD_DIM == 64 || HEAD_DIM == 128)
+#define AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define AMX 0
+#endif
+
 /* 16 lanes of bfloat16 pairs: the even (low) and odd (high) halves as float32 vectors. */
 static inline vf pair_lo(vu pairs) { return (vf)(pairs << 16); }
 static inline vf pair_hi(vu pairs) { return (vf)(pairs & 0xffff0000u); }
@@ -215,6 +230,32 @@ static inline void prefetch_block(const scalar_t *cache, int64_t at, int64_t hea
     for (int64_t off = 0; off < (int64_t)sizeof(scalar_t) * head_stride; off += 64) __builtin_prefetch(p + off);
 }
 
+/* The exponentials of a two-pass item, all keys at once: scores[g][i] ← e^(scores[g][i] −
+ * max_g) for i < len, 0 for len <= i < padded (mv[g]: each head's maximum, lane-wise);
+ * inv[g] ← 1 / Σ. With bfloat16, probs[g·TWO_PASS_KEYS + i] also gets them rounded to
+ * bfloat16 (the operand of the p·v products). */
+static inline void softmax_scores(float scores[G][TWO_PASS_KEYS], const vf mv[G], int len, int padded,
+                                  uint16_t *probs, float inv[G]) {
+    vi lane;
+    for (int i = 0; i < VL; i++) lane[i] = i;
+    for (int g = 0; g < G; g++) {
+        const float mx = vmax(mv[g]);
+        vf sum = {0};
+        for (int i = 0; i < padded; i += VL) {
+            vf v;
+            memcpy(&v, &scores[g][i], sizeof v);
+            const vf e = vselect(lane + i < len, vexp(v - mx), (vf){0});
+            sum += e;
+            memcpy(&scores[g][i], &e, sizeof e);
+            if (PAIRED) {
+                const vh half = __builtin_convertvector((vu)vround(e) >> 16, vh);
+                memcpy(probs + (int64_t)g * TWO_PASS_KEYS + i, &half, sizeof half);
+            }
+        }
+        inv[g] = 1.0f / vsum(sum);
+    }
+}
+
 /* One (row, KV head) item of decode_attention for a row of len <= TWO_PASS_KEYS keys, the
  * softmax in two passes over stored scores: pass 1 reads every key block once (q·k for
  * the G heads, a running maximum kept lane-wise, no horizontal step per block); the
@@ -272,23 +313,10 @@ static void attend_two_pass(const scalar_t *qb, const scalar_t *k_cache, const s
     float inv[G];
 #if PAIRED
     uint32_t pp[G][TWO_PASS_KEYS / 2] __attribute__((aligned(64)));
+    softmax_scores(scores, mv, len, padded, (uint16_t *)pp, inv);
+#else
+    softmax_scores(scores, mv, len, padded, NULL, inv);
 #endif
-    for (int g = 0; g < G; g++) { /* the exponentials, all keys at once */
-        const float mx = vmax(mv[g]);
-        vf sum = {0};
-        for (int i = 0; i < padded; i += VL) {
-            vf v;
-            memcpy(&v, &scores[g][i], sizeof v);
-            const vf e = vselect(lane + i < len, vexp(v - mx), (vf){0});
-            sum += e;
-            memcpy(&scores[g][i], &e, sizeof e);
-#if PAIRED
-            const vh half = __builtin_convertvector((vu)vround(e) >> 16, vh);
-            memcpy(&pp[g][i / 2], &half, sizeof half);
-#endif
-        }
-        inv[g] = 1.0f / vsum(sum);
-    }
     vf acc[G][DV];
     for (int g = 0; g < G; g++)
         for (int j = 0; j < DV; j++) acc[g][j] = (vf){0};
@@ -326,6 +354,175 @@ static void attend_two_pass(const scalar_t *qb, const scalar_t *k_cache, const s
         for (int j = 0; j < DV; j++) vstore(ob + g * D + j * VL, acc[g][j] * inv[g]);
 }
 
+#if AMX
+/* Tiles (one configuration for the whole kernel, loaded once per thread per call):
+ *   S      G × 16 float32   the scores of 16 keys                     (pass 1, accumulator)
+ *   K      16 × 64 bytes    32 dimensions of 16 keys, in pairs          (pass 1, the k_cache layout as is)
+ *   V      PV_K/2 × 64      PV_K tokens of 16 dimensions, in token pairs (pass 2, the v_cache layout as is)
+ *   P      G × PV_K bf16    the probabilities of PV_K tokens            (pass 2)
+ *   Q0..Q3 G × 32 bf16      q, 32 dimensions each                       (pass 1)
+ *          G × 16 float32   the output, 16 dimensions each             (pass 2, accumulators; same shape)
+ * tdpbf16ps multiplies bfloat16 pairs and accumulates in float32, as vdpbf16ps does. */
+#define PV_K (BS % 32 == 0 ? 32 : 16) /* tokens per p·v tile multiply */
+#define T_S 0
+#define T_K 1
+#define T_V 2
+#define T_P 3
+#define T_Q0 4
+#define T_Q1 5
+#define T_Q2 6
+#define T_Q3 7
+/* GCC's tile intrinsics paste their tile numbers into the assembly text unexpanded: these
+ * wrappers expand the names above to numbers first. */
+#define TLOAD(t, p, stride) _tile_loadd(t, p, stride)
+#define TSTORE(t, p, stride) _tile_stored(t, p, stride)
+#define TZERO(t) _tile_zero(t)
+#define TDP(c, a, b) _tile_dpbf16ps(c, a, b)
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static int amx_permitted = 0; /* 0 not asked yet, 1 granted, -1 refused */
+
+static int amx_usable(void) {
+    if (!amx_permitted) /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA (Linux 5.16+) */
+        amx_permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return amx_permitted > 0;
+}
+
+static void amx_configure(void) {
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[T_S] = G, c.colsb[T_S] = 64;
+    c.rows[T_K] = 16, c.colsb[T_K] = 64;
+    c.rows[T_V] = PV_K / 2, c.colsb[T_V] = 64;
+    c.rows[T_P] = G, c.colsb[T_P] = PV_K * 2;
+    for (int t = T_Q0; t <= T_Q3; t++) c.rows[t] = G, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* attend_two_pass on the tile unit: the same two passes, the same float32 softmax, the
+ * same bfloat16 probabilities; q·k and p·v as tile multiplies straight from the cache's
+ * pair layouts (no repacking). Keys past len in the last block get masked scores; values
+ * past len are never read (the last len % PV_K tokens take the vector path), so garbage
+ * there, NaN included, changes nothing. */
+static void attend_two_pass_amx(const scalar_t *qb, const scalar_t *k_cache, const scalar_t *v_cache,
+                                const int32_t *table, int len, int64_t h, int64_t head_stride, int64_t blk_stride,
+                                float scale, scalar_t *ob) {
+    const int nblk = (len + BS - 1) / BS, padded = nblk * BS;
+    float scores[G][TWO_PASS_KEYS] __attribute__((aligned(64)));
+    uint16_t probs[G][TWO_PASS_KEYS] __attribute__((aligned(64)));
+    TLOAD(T_Q0, qb + 0, D * 2);
+    TLOAD(T_Q1, qb + 32, D * 2);
+#if D == 128
+    TLOAD(T_Q2, qb + 64, D * 2);
+    TLOAD(T_Q3, qb + 96, D * 2);
+#endif
+    for (int ahead = 0; ahead < PREFETCH_BLOCKS && ahead < nblk; ahead++)
+        prefetch_block(k_cache, (int64_t)table[ahead] * blk_stride + h * head_stride, head_stride);
+    for (int blk = 0; blk < nblk; blk++) { /* pass 1: scores, 16 keys a tile */
+        const scalar_t *kb = k_cache + (int64_t)table[blk] * blk_stride + h * head_stride;
+        if (blk + PREFETCH_BLOCKS < nblk)
+            prefetch_block(k_cache, (int64_t)table[blk + PREFETCH_BLOCKS] * blk_stride + h * head_stride, head_stride);
+        for (int s = 0; s < BS; s += 16) { /* k_cache rows: dimension pairs, BS keys each */
+#define QK_TILE(c, tq) do {                                                         \
+                TLOAD(T_K, kb + ((int64_t)(c) * 16 * BS + s) * 2, BS * 4);          \
+                TDP(T_S, tq, T_K);                                                  \
+            } while (0)
+            TZERO(T_S);
+            QK_TILE(0, T_Q0);
+            QK_TILE(1, T_Q1);
+#if D == 128
+            QK_TILE(2, T_Q2);
+            QK_TILE(3, T_Q3);
+#endif
+#undef QK_TILE
+            TSTORE(T_S, &scores[0][blk * BS + s], TWO_PASS_KEYS * 4);
+        }
+    }
+    vi lane;
+    for (int i = 0; i < VL; i++) lane[i] = i;
+    vf mv[G];
+    for (int g = 0; g < G; g++) { /* scale, mask the keys past len, each head's maximum */
+        mv[g] = (vf){0} - FLT_MAX;
+        for (int i = 0; i < padded; i += VL) {
+            vf v;
+            memcpy(&v, &scores[g][i], sizeof v);
+            v = vselect(lane + i < len, v * scale, (vf){0} - FLT_MAX);
+            mv[g] = vmax2(mv[g], v);
+            memcpy(&scores[g][i], &v, sizeof v);
+        }
+    }
+    float inv[G];
+    softmax_scores(scores, mv, len, padded, &probs[0][0], inv);
+    const int full = len / PV_K * PV_K; /* tokens whose values the tiles multiply */
+    for (int r = 0; r < D; r += 64) { /* pass 2: values, 64 dimensions a round (four accumulators) */
+        TZERO(T_Q0);
+        TZERO(T_Q1);
+        TZERO(T_Q2);
+        TZERO(T_Q3);
+        for (int ahead = 0; ahead < PREFETCH_BLOCKS && ahead < nblk; ahead++)
+            prefetch_block(v_cache, (int64_t)table[ahead] * blk_stride + h * head_stride, head_stride);
+        for (int blk = 0; blk < nblk; blk++) {
+            const scalar_t *vb = v_cache + (int64_t)table[blk] * blk_stride + h * head_stride;
+            if (blk + PREFETCH_BLOCKS < nblk)
+                prefetch_block(v_cache, (int64_t)table[blk + PREFETCH_BLOCKS] * blk_stride + h * head_stride,
+                               head_stride);
+            const int upto = full - blk * BS < BS ? full - blk * BS : BS;
+            for (int t = 0; t < upto; t += PV_K) { /* v_cache rows: token pairs, D dimensions each */
+                TLOAD(T_P, &probs[0][blk * BS + t], TWO_PASS_KEYS * 2);
+                const scalar_t *vt = vb + ((int64_t)(t / 2) * D + r) * 2;
+#define PV_TILE(n, tacc) do {                                   \
+                    TLOAD(T_V, vt + (n) * 32, D * 4);           \
+                    TDP(tacc, T_P, T_V);                        \
+                } while (0)
+                PV_TILE(0, T_Q0);
+                PV_TILE(1, T_Q1);
+                PV_TILE(2, T_Q2);
+                PV_TILE(3, T_Q3);
+#undef PV_TILE
+            }
+        }
+        vf tail[G][64 / VL]; /* the last tokens, fewer than PV_K: vectors, reading only those */
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < 64 / VL; j++) tail[g][j] = (vf){0};
+        if (full < len) {
+            const int blk = full / BS, end = len - blk * BS;
+            const scalar_t *vb = v_cache + (int64_t)table[blk] * blk_stride + h * head_stride;
+            int t = full - blk * BS;
+            for (; t + 1 < end; t += 2)
+                for (int j = 0; j < 64 / VL; j++) {
+                    const vu v = vload_pairs(vb + ((int64_t)(t / 2) * D + r + j * VL) * 2);
+                    for (int g = 0; g < G; g++) {
+                        uint32_t pair;
+                        memcpy(&pair, &probs[g][blk * BS + t], 4);
+                        tail[g][j] = dot_pairs(tail[g][j], v, pair);
+                    }
+                }
+            if (t < end) /* an odd last token: its partner slot is unwritten, never multiplied */
+                for (int j = 0; j < 64 / VL; j++) {
+                    const vf v = pair_lo(vload_pairs(vb + ((int64_t)(t / 2) * D + r + j * VL) * 2));
+                    for (int g = 0; g < G; g++) tail[g][j] += scores[g][blk * BS + t] * v;
+                }
+        }
+        float o[G][64] __attribute__((aligned(64)));
+        TSTORE(T_Q0, &o[0][0], 64 * 4);
+        TSTORE(T_Q1, &o[0][16], 64 * 4);
+        TSTORE(T_Q2, &o[0][32], 64 * 4);
+        TSTORE(T_Q3, &o[0][48], 64 * 4);
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < 64 / VL; j++) {
+                vf v;
+                memcpy(&v, &o[g][j * VL], sizeof v);
+                vstore(ob + g * D + r + j * VL, (v + tail[g][j]) * inv[g]);
+            }
+    }
+}
+#endif
+
 /* Decode attention over the paged KV cache, reading blocks in place (no gather, no
  * padding): for every row b and query head h,
  *
@@ -349,10 +546,26 @@ void decode_attention(const scalar_t *q, int64_t q_stride, const scalar_t *k_cac
     const int64_t head_stride = (int64_t)D * BS;
     const int64_t blk_stride = (int64_t)kv_heads * head_stride;
     const int64_t items = (int64_t)batch * kv_heads;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1 && items > 1)
+#if AMX
+    const int amx = amx_usable();
+#endif
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1)
+    {
+#if AMX
+    if (amx) amx_configure();
+#endif
+#pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; item++) {
         const int b = (int)(item / kv_heads), h = (int)(item % kv_heads);
         if (seq_lens[b] <= TWO_PASS_MAX) {
+#if AMX
+            if (amx) {
+                attend_two_pass_amx(q + b * q_stride + (int64_t)h * G * D, k_cache, v_cache,
+                                    block_tables + b * table_stride, seq_lens[b], h, head_stride, blk_stride, scale,
+                                    out + b * out_stride + (int64_t)h * G * D);
+                continue;
+            }
+#endif
             attend_two_pass(q + b * q_stride + (int64_t)h * G * D, k_cache, v_cache, block_tables + b * table_stride,
                             seq_lens[b], h, head_stride, blk_stride, scale, out + b * out_stride + (int64_t)h * G * D);
             continue;
@@ -477,6 +690,19 @@ void decode_attention(const scalar_t *q, int64_t q_stride, const scalar_t *k_cac
             for (int j = 0; j < DV; j++) vstore(ob + g * D + j * VL, acc[g][j] * inv);
         }
     }
+#if AMX
+    if (amx) _tile_release(); /* back to the init state: nothing for a context switch to save */
+#endif
+    }
+}
+
+/* Which path decode_attention's two-pass rows take here: "amx-bf16" (tile multiplies),
+ * "avx512-bf16" (vdpbf16ps), or "vector" (float32 vectors; AVX-512, AVX2 or portable). */
+const char *decode_attention_isa(void) {
+#if AMX
+    if (amx_usable()) return "amx-bf16";
+#endif
+    return DPBF16 ? "avx512-bf16" : "vector";
 }
 
 /* Rotary position embedding (Su et al. 2021, "RoFormer", §3.4.2, in the half-split
