@@ -156,13 +156,17 @@ class PagedBackend(Backend):
         self.pairs_per_token = pairs_per_token(model, heads, head_dim)
         if self.runner is not None and self.qmatmul is not None:
             from engine_proc.backends.crossover_cache import host_crossover
-            from engine_proc.backends.linear import measure_crossover
+            from engine_proc.backends.linear import PROBE_ROWS, measure_crossover
 
-            probe = self.runner.layers[0].gate_up  # once per host: engines then agree on every pass's matmul
+            probes = [layer.gate_up for layer in self.runner.layers]  # once per host: engines then agree
+            probe = probes[0]
             self.runner.plan.quantized_below = host_crossover(
-                lambda: measure_crossover(probe, param.dtype),
+                lambda: measure_crossover(probes, param.dtype),
                 (probe.out_features, probe.weight.shape[1] if probe.weight is not None else 0, param.dtype,
-                 low_bit.summary, self.qmatmul.isa, self.qmatmul.source_digest, torch.get_num_threads()))
+                 low_bit.summary, self.qmatmul.isa, self.qmatmul.source_digest, torch.get_num_threads(),
+                 f"{len(probes)} layers at rows {'/'.join(map(str, PROBE_ROWS))}"))
+            if self.threads is not None:  # thread-count-independent passes may borrow idle engines' cores
+                self.threads.lend_below = self.runner.plan.quantized_below
         self.weights_precision = f"{low_bit.summary} ({low_bit.kind})" if self.qmatmul is not None else ""
         self.matmul_plan = self._describe_matmul()
         rope_rows = self.runner.cos_sin.shape[0] if self.runner is not None else max_model_len
