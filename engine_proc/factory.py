@@ -17,6 +17,7 @@ from engine_proc.block_pool import BlockPool
 from engine_proc.grammar import GrammarCache
 from engine_proc.policy import make_policy
 from engine_proc.scheduler import Scheduler
+from engine_proc.core_lending import open_board
 from engine_proc.threads import ThreadPlan, usable_cpus
 from shared import config as cfg
 from shared import placement, startup_faults
@@ -138,7 +139,8 @@ def make_backend(config: cfg.EngineConfig, model, max_model_len: int, pool: Bloc
 
     from engine_proc.lowbit_model import LOW_BIT_ATTR
 
-    threads = ThreadPlan(config.torch_threads or usable_cpus(), config.single_thread_below)
+    threads = ThreadPlan(config.torch_threads or usable_cpus(), config.single_thread_below,
+                         board=open_board(config.core_board, config.core_board_slot) if config.lend_idle_cores else None)
     return PagedBackend(model, max_model_len, pool, kernels=config.kernels, threads=threads,
                         low_bit=getattr(model, LOW_BIT_ATTR, None))
 

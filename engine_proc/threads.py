@@ -28,16 +28,25 @@ def usable_cpus() -> int:
 @dataclass
 class ThreadPlan:
     """``max_threads`` for passes of at least ``single_thread_below`` tokens, one thread
-    below that (0: always ``max_threads``). :meth:`apply` sets torch's thread count and
-    that of every kernel object in ``kernels`` (their ``num_threads``) before a pass, only
-    when it changes."""
+    below that (0: always ``max_threads``). With a ``board``
+    (:class:`~engine_proc.core_lending.CoreBoard`), a pass of fewer than ``lend_below``
+    tokens also takes ``max_threads`` more threads for every idle sibling engine (at most
+    ``usable_cpus()`` in all). :meth:`apply` sets torch's thread count and that of every
+    kernel object in ``kernels`` (their ``num_threads``) before a pass, only when it
+    changes."""
 
     max_threads: int
     single_thread_below: int = 0
     kernels: list = field(default_factory=list)
+    board: object | None = None
+    lend_below: int = 0
     _current: int = 0
 
     def threads_for(self, num_tokens: int) -> int:
+        if self.board is not None and num_tokens < self.lend_below:
+            idle = self.board.idle_siblings()
+            if idle:
+                return min(usable_cpus(), self.max_threads * (1 + idle))
         if self.max_threads > 1 and num_tokens < self.single_thread_below:
             return 1
         return self.max_threads

@@ -52,10 +52,14 @@ class TickLoop:
         out = self.ctx.socket(zmq.PUSH)
         out.setsockopt(zmq.LINGER, 1000)  # let the I/O thread collect the last frames
         out.connect(TICK_OUT_ADDR + self.engine_id)
+        # engines of one host lend idle cores (engine_proc/core_lending.py): say whether this one is busy
+        board = getattr(getattr(self.scheduler.backend, "threads", None), "board", None)
         try:
             while not self._stop.is_set():
                 with self.backend_lock:
                     self._drain_inbox(out)
+                    if board is not None:
+                        board.publish(self.scheduler.has_work())
                     if self.scheduler.has_work():
                         outputs = self.scheduler.step(stream=lambda early: self._send_outputs(out, early))
                     else:
@@ -77,6 +81,8 @@ class TickLoop:
             self._fail_all(out, f"engine error: {exc}")
             self.stop()
         finally:
+            if board is not None:
+                board.close()
             out.close(0)
 
     def _drain_inbox(self, out: zmq.Socket) -> None:

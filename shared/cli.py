@@ -111,11 +111,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if dp == 0:
             dp = _auto_engines(engine, model_dir, by_address)
         engine_dirs = [run_dir] if dp == 1 else [os.path.join(run_dir, f"engine-{i}") for i in range(dp)]
+        board = _core_board(engine, run_dir, dp)
         engines = [cfg.build(cfg.EngineConfig, args, environ, model=model_dir, run_dir=d, decode_engines="",
                              handover_addr="", role=cfg.EngineRole.MONOLITHIC.value, **(
                                  {} if dp == 1 else {"torch_threads": engine.torch_threads or max(1, cpus // dp),
-                                                     "kv_memory_fraction": engine.kv_memory_fraction / dp}))
-                   for d in engine_dirs]
+                                                     "kv_memory_fraction": engine.kv_memory_fraction / dp,
+                                                     "core_board": board, "core_board_slot": i}))
+                   for i, d in enumerate(engine_dirs)]
     name = args.served_model_name or _display(args.model or environ.get(cfg.env_name("model"), ""))
     os.makedirs(run_dir, exist_ok=True)
     # a fresh, marked directory: never a name of the user's in --run-dir (shared/marked_dirs.py)
@@ -137,6 +139,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from shared.process_config import exit_now
 
     exit_now(code)  # the children are gone and the run directory with them: skip torch's teardown
+
+
+def _core_board(engine: cfg.EngineConfig, run_dir: str, dp: int) -> str:
+    """The board through which ``dp`` CPU engines lend idle cores (engine_proc/core_lending.py),
+    created in ``run_dir``; "" when there is nothing to lend (one engine, lending off, an
+    accelerator, engines placed by address) or it cannot be written."""
+    if dp < 2 or not engine.lend_idle_cores or engine.device not in ("auto", "cpu"):
+        return ""
+    from engine_proc.core_lending import BOARD_NAME, create_board
+
+    path = os.path.join(run_dir, BOARD_NAME)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        create_board(path, dp)
+    except OSError as exc:
+        print(f"tickserve: no core lending ({exc})", file=sys.stderr)
+        return ""
+    return path
 
 
 def _context_length(engine: cfg.EngineConfig, model_dir: str) -> int:

@@ -84,6 +84,9 @@ class EngineConfig:
     prefix_caching: bool = _opt(True, "reuse cached KV blocks of shared prompt prefixes (paged backend only)")
     max_model_len: int = _opt(2048, "context window in tokens (prompt + output); capped by the model's own")
     torch_threads: int = _opt(0, "torch intra-op threads of large forward passes; 0 → every CPU this process may use")
+    lend_idle_cores: bool = _opt(True, "engines of one `tickserve serve` lend their cores while idle: a pass on the low-bit path runs on one more thread per idle engine (a lone stream gets every core; CPU)")
+    core_board: str = _opt("", "the shared file through which engines of one host say whether they are busy (set by `tickserve serve`); empty → no lending")
+    core_board_slot: int = _opt(0, "this engine's slot on --core-board")
     single_thread_below: int = _opt(32, "forward passes of fewer tokens than this run on one thread, leaving the other cores to the frontend (CPU; 0 → never)")
     heartbeat_interval_s: float = _opt(0.25, "engine → frontend heartbeat period, seconds")
     stats_interval_s: float = _opt(0.25, "period of the engine's stats broadcast (/scheduler/stats/stream, /dashboard), seconds; 0 → off")
@@ -177,7 +180,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 out.append(f"{name} must be at least 1")
         for name in ("prefill_chunk_size", "max_num_batched_tokens", "kv_budget_tokens", "kv_num_blocks",
-                     "torch_threads", "single_thread_below", "seed"):
+                     "torch_threads", "single_thread_below", "seed", "core_board_slot"):
             if getattr(self, name) < 0:
                 out.append(f"{name} must be >= 0")
         if not 0.0 <= self.kv_memory_fraction < 1.0:

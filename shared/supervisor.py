@@ -78,8 +78,10 @@ class Supervisor:
         self.http_sock = http_sock
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         share = max(1, len(cpus) // len(engines)) if cpus else 0
+        # engines split the CPUs; those that lend idle cores to each other (core_board) may run on all of them
         self.engines = [Child(f"engine {i}", "engine_proc", c,
-                              cpus=cpus[i * share:(i + 1) * share] if len(engines) > 1 and cpus else None)
+                              cpus=cpus[i * share:(i + 1) * share] if len(engines) > 1 and cpus and not c.core_board
+                              else None)
                         for i, c in enumerate(engines)]
         env = {"PROMETHEUS_MULTIPROC_DIR": metrics_dir} if metrics_dir else {}
         fds = (http_sock.fileno(),) if http_sock is not None else ()

@@ -1,0 +1,96 @@
+"""Engines on one host lending their cores to each other while they are idle.
+
+``tickserve serve`` runs one single-threaded engine per core (``shared/placement.py``):
+under load the engines never wait for each other's threads. A lone stream, though, then
+runs on one core while the others sit idle. The engines of one ``serve`` share a small
+board, a file of one slot per engine in the run directory (``cores.board``, mapped into
+every engine): each engine's tick thread writes whether it has work (running or waiting
+requests) before every tick, and an engine about to run a forward pass counts the idle
+slots of its siblings and runs that pass on its own threads plus one per idle sibling
+(:class:`~engine_proc.threads.ThreadPlan`).
+
+Only passes on the low-bit path borrow (``lend_below``: the host's low-bit/dense
+crossover): the low-bit matmul and the C kernels give every output to one thread, so a
+pass's numbers do not depend on how many threads it ran on, and a greedy request gets the
+same tokens whether its engine borrowed or not. Measured on a 2-core AMX host (SmolLM2
+Q4_1, one decode row, ``tools/bench_step.py``-style timing): one thread 15.2 ms a step,
+two 9.1 ms.
+
+A sibling that starts a tick while another engine's borrowed pass runs shares its core
+for that one pass (milliseconds); the borrower's next pass sees the slot busy and runs on
+its own threads. A slot is one aligned 8-byte word, written by one engine and read by the
+others: no lock. An engine that dies leaves its slot as it was (busy: its siblings stop
+borrowing its core; idle: they borrow a core nobody uses).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+
+log = logging.getLogger("tickserve.engine")
+
+SLOT = struct.Struct("<q")
+BOARD_NAME = "cores.board"
+
+
+def create_board(path: str, engines: int) -> None:
+    """Write a board of ``engines`` idle slots at ``path`` (replacing any). Raises OSError."""
+    with open(path, "wb") as f:
+        f.write(bytes(SLOT.size * engines))
+
+
+class CoreBoard:
+    """This engine's view of the board at ``path``: its own ``slot`` and the others'.
+
+    Raises OSError when the file cannot be opened or mapped, ValueError when ``slot`` is
+    not one of its slots."""
+
+    def __init__(self, path: str, slot: int):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < SLOT.size or size % SLOT.size:
+                raise ValueError(f"{path}: {size} bytes is not a board of {SLOT.size}-byte slots")
+            self.engines = size // SLOT.size
+            if not 0 <= slot < self.engines:
+                raise ValueError(f"slot {slot} is not on the board of {self.engines} engines at {path}")
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.slot = slot
+        self._published: int | None = None
+
+    def publish(self, busy: bool) -> None:
+        """Say whether this engine has work (a write only when it changes)."""
+        value = 1 if busy else 0
+        if value != self._published:
+            SLOT.pack_into(self._map, self.slot * SLOT.size, value)
+            self._published = value
+
+    def idle_siblings(self) -> int:
+        """How many of the other engines have no work now."""
+        return sum(1 for i in range(self.engines)
+                   if i != self.slot and SLOT.unpack_from(self._map, i * SLOT.size)[0] == 0)
+
+    def close(self) -> None:
+        """Leave the slot idle (this engine stops) and unmap the board."""
+        try:
+            self.publish(False)
+            self._map.close()
+        except (ValueError, OSError):
+            pass
+
+
+def open_board(path: str, slot: int) -> CoreBoard | None:
+    """The board at ``path`` (``None`` for an empty path, or with one warning when it
+    cannot be opened: the engine then runs on its own threads only)."""
+    if not path:
+        return None
+    try:
+        return CoreBoard(path, slot)
+    except (OSError, ValueError) as exc:
+        log.warning("core board unavailable (%s); this engine will not borrow idle engines' cores", exc)
+        return None
