@@ -16,11 +16,16 @@ same tokens whether its engine borrowed or not. Measured on a 2-core AMX host (S
 Q4_1, one decode row, ``tools/bench_step.py``-style timing): one thread 15.2 ms a step,
 two 9.1 ms.
 
-A sibling that starts a tick while another engine's borrowed pass runs shares its core
-for that one pass (milliseconds); the borrower's next pass sees the slot busy and runs on
-its own threads. A slot is one aligned 8-byte word, written by one engine and read by the
-others: no lock. An engine that dies leaves its slot as it was (busy: its siblings stop
-borrowing its core; idle: they borrow a core nobody uses).
+A slot holds -1 while its engine has work, else the CLOCK_MONOTONIC time (ns) it last went
+idle; a sibling counts as idle only after :data:`MIN_IDLE_S` of it, so that the short
+gaps between one engine's requests under load are not lent out. A sibling that starts a
+tick while another engine's borrowed pass runs shares its core for that one pass
+(milliseconds); the borrower's next pass sees the slot busy and runs on its own threads.
+An engine keeps its main (tick) thread on its own share of the CPUs and lets only the
+OpenMP threads it borrows with run on the others (:meth:`CoreBoard.pin_home`). A slot is
+one aligned 8-byte word, written by one engine and read by the others: no lock. An engine
+that dies leaves its slot as it was (busy: its siblings stop borrowing its core; idle:
+they borrow a core nobody uses).
 """
 
 from __future__ import annotations
@@ -29,11 +34,14 @@ import logging
 import mmap
 import os
 import struct
+import time
 
 log = logging.getLogger("tickserve.engine")
 
 SLOT = struct.Struct("<q")
 BOARD_NAME = "cores.board"
+BUSY = -1
+MIN_IDLE_S = 0.05  # a sibling idle for less than this is not lent out
 
 
 def create_board(path: str, engines: int) -> None:
@@ -61,19 +69,51 @@ class CoreBoard:
         finally:
             os.close(fd)
         self.slot = slot
-        self._published: int | None = None
+        self._published: bool | None = None
+        try:  # the CPUs the engine may lend threads onto (taken before pin_home narrows this thread's)
+            self.cpus = max(1, len(os.sched_getaffinity(0)))
+        except (AttributeError, OSError):
+            self.cpus = max(1, os.cpu_count() or 1)
 
     def publish(self, busy: bool) -> None:
-        """Say whether this engine has work (a write only when it changes)."""
-        value = 1 if busy else 0
-        if value != self._published:
-            SLOT.pack_into(self._map, self.slot * SLOT.size, value)
-            self._published = value
+        """Say whether this engine has work (a write only when that changes)."""
+        if busy != self._published:
+            SLOT.pack_into(self._map, self.slot * SLOT.size, BUSY if busy else time.monotonic_ns())
+            self._published = busy
 
-    def idle_siblings(self) -> int:
-        """How many of the other engines have no work now."""
+    def idle_siblings(self, min_idle_s: float = MIN_IDLE_S) -> int:
+        """How many of the other engines have had no work for at least ``min_idle_s``."""
+        since = time.monotonic_ns() - int(min_idle_s * 1e9)
         return sum(1 for i in range(self.engines)
-                   if i != self.slot and SLOT.unpack_from(self._map, i * SLOT.size)[0] == 0)
+                   if i != self.slot and 0 <= SLOT.unpack_from(self._map, i * SLOT.size)[0] <= since)
+
+    def home_cpus(self, cpus: list[int]) -> list[int]:
+        """This engine's share of ``cpus`` (as the supervisor splits them for unlent engines)."""
+        share = max(1, len(cpus) // self.engines)
+        return cpus[self.slot * share:(self.slot + 1) * share] or cpus
+
+    def pin_home(self, threads: int) -> None:
+        """Start torch's OpenMP pool with ``threads`` threads while this thread may still run
+        on every CPU (the pool's threads keep that), then keep the calling thread, the one
+        that will run every pass, on this engine's own share: the borrowed threads go where
+        a sibling is idle, the engine's own thread never leaves its core. Call it on the
+        main thread before any other OpenMP region with more than one thread."""
+        try:
+            cpus = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            return
+        if threads < 2 or len(cpus) < 2:
+            return
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        torch.ones(1 << 22).add_(1)  # a parallel region: the pool's threads now exist, unpinned
+        torch.set_num_threads(before)
+        try:
+            os.sched_setaffinity(0, self.home_cpus(cpus))  # this thread only (Linux)
+        except OSError as exc:
+            log.warning("cannot keep the engine on its own CPUs (%s)", exc)
 
     def close(self) -> None:
         """Leave the slot idle (this engine stops) and unmap the board."""

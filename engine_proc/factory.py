@@ -139,8 +139,10 @@ def make_backend(config: cfg.EngineConfig, model, max_model_len: int, pool: Bloc
 
     from engine_proc.lowbit_model import LOW_BIT_ATTR
 
-    threads = ThreadPlan(config.torch_threads or usable_cpus(), config.single_thread_below,
-                         board=open_board(config.core_board, config.core_board_slot) if config.lend_idle_cores else None)
+    board = open_board(config.core_board, config.core_board_slot) if config.lend_idle_cores else None
+    if board is not None:
+        board.pin_home(usable_cpus())
+    threads = ThreadPlan(config.torch_threads or usable_cpus(), config.single_thread_below, board=board)
     return PagedBackend(model, max_model_len, pool, kernels=config.kernels, threads=threads,
                         low_bit=getattr(model, LOW_BIT_ATTR, None))
 

@@ -52,7 +52,5 @@ def _lending_of(backend) -> dict:
     board = getattr(plan, "board", None)
     if board is None or not plan.lend_below:
         return {}
-    from engine_proc.threads import usable_cpus
-
-    most = min(usable_cpus(), plan.max_threads * board.engines)
+    most = min(board.cpus, plan.max_threads * board.engines)
     return {"lent_threads": max(0, most - plan.max_threads), "lend_below": min(plan.lend_below, 1 << 30)}

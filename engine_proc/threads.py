@@ -31,7 +31,7 @@ class ThreadPlan:
     below that (0: always ``max_threads``). With a ``board``
     (:class:`~engine_proc.core_lending.CoreBoard`), a pass of fewer than ``lend_below``
     tokens also takes ``max_threads`` more threads for every idle sibling engine (at most
-    ``usable_cpus()`` in all). :meth:`apply` sets torch's thread count and that of every
+    ``board.cpus`` in all). :meth:`apply` sets torch's thread count and that of every
     kernel object in ``kernels`` (their ``num_threads``) before a pass, only when it
     changes."""
 
@@ -46,7 +46,7 @@ class ThreadPlan:
         if self.board is not None and num_tokens < self.lend_below:
             idle = self.board.idle_siblings()
             if idle:
-                return min(usable_cpus(), self.max_threads * (1 + idle))
+                return min(self.board.cpus, self.max_threads * (1 + idle))
         if self.max_threads > 1 and num_tokens < self.single_thread_below:
             return 1
         return self.max_threads

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import threading
+import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
-from engine_proc.core_lending import SLOT, CoreBoard, create_board, open_board
+from engine_proc.core_lending import MIN_IDLE_S, SLOT, CoreBoard, create_board, open_board
 from engine_proc.threads import ThreadPlan, usable_cpus
 from tests.procs import start_stack, wait_for
 
@@ -26,12 +31,16 @@ def test_each_engine_writes_its_slot_and_counts_its_idle_siblings(tmp_path):
     a, b, c = (CoreBoard(path, i) for i in range(3))
     assert [x.idle_siblings() for x in (a, b, c)] == [2, 2, 2]
     a.publish(True)
-    assert _slots(path) == [1, 0, 0]
+    assert _slots(path) == [-1, 0, 0]
     assert (a.idle_siblings(), b.idle_siblings(), c.idle_siblings()) == (2, 1, 1)
     c.publish(True)
     assert b.idle_siblings() == 0
-    a.close()  # an engine that stops leaves its slot idle
-    assert _slots(path) == [0, 0, 1] and b.idle_siblings() == 1
+    a.close()  # an engine that stops leaves its slot idle, from now
+    assert _slots(path)[0] > 0 and _slots(path)[2] == -1
+    assert b.idle_siblings() == 0  # not yet idle for MIN_IDLE_S: not lent out
+    assert b.idle_siblings(min_idle_s=0.0) == 1
+    time.sleep(MIN_IDLE_S + 0.02)
+    assert b.idle_siblings() == 1
 
 
 def test_a_board_that_cannot_be_used_is_refused_in_one_warning(tmp_path, caplog):
@@ -74,7 +83,34 @@ def test_small_passes_borrow_one_thread_per_idle_sibling_and_only_while_it_is_id
         torch.set_num_threads(before)
     no_lending = ThreadPlan(1, 32, board=me, lend_below=0)  # no low-bit path: nothing borrows
     sibling.publish(False)
-    assert no_lending.threads_for(1) == 1
+    assert plan.threads_for(1) == 1  # idle only just now
+    time.sleep(MIN_IDLE_S + 0.02)
+    assert plan.threads_for(1) == 2 and no_lending.threads_for(1) == 1
+
+
+_PIN = """
+import json, os, sys
+from engine_proc.core_lending import CoreBoard
+board = CoreBoard(sys.argv[1], 1)
+board.pin_home(2)
+tasks = {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+print(json.dumps({"home": sorted(os.sched_getaffinity(0)), "cpus": board.cpus, "tasks": list(tasks.values())}))
+"""
+
+
+@pytest.mark.skipif(usable_cpus() < 2, reason="needs two CPUs")
+def test_pin_home_keeps_the_engine_thread_on_its_share_and_the_pool_threads_free(tmp_path):
+    """In a process of its own, as an engine's main thread: the OpenMP pool threads it starts
+    keep every CPU, the thread itself keeps slot 1's share."""
+    path = str(tmp_path / "cores.board")
+    create_board(path, 2)
+    cpus = sorted(os.sched_getaffinity(0))
+    done = subprocess.run([sys.executable, "-c", _PIN, path], capture_output=True, text=True, timeout=120,
+                          cwd=str(Path(__file__).resolve().parents[1]))
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["home"] == cpus[len(cpus) // 2:len(cpus) // 2 * 2] and got["cpus"] == len(cpus)
+    assert cpus in got["tasks"]  # a pool thread started before the pin keeps every CPU
 
 
 @pytest.mark.slow
@@ -83,7 +119,7 @@ def test_an_engine_process_publishes_whether_it_is_busy(tmp_path, tiny_model_dir
     create_board(str(board), 2)
     group, base = start_stack(tmp_path, tiny_model_dir, tmp_path / "run", core_board=board, core_board_slot=1)
     try:
-        assert _slots(board) == [0, 0]
+        assert _slots(board)[0] == 0 and _slots(board)[1] >= 0  # idle (since start, or ever)
         with urllib.request.urlopen(base + "/v1/models", timeout=10) as resp:
             model = json.load(resp)["data"][0]["id"]
         body = json.dumps({"model": model, "prompt": "hello there", "max_tokens": 200, "ignore_eos": True,
@@ -94,7 +130,7 @@ def test_an_engine_process_publishes_whether_it_is_busy(tmp_path, tiny_model_dir
             req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=120) as resp:
                 for line in resp:
-                    if line.startswith(b"data: ") and _slots(board)[1] == 1:
+                    if line.startswith(b"data: ") and _slots(board)[1] == -1:
                         seen_busy.set()
 
         reader = threading.Thread(target=stream, daemon=True)
@@ -102,6 +138,6 @@ def test_an_engine_process_publishes_whether_it_is_busy(tmp_path, tiny_model_dir
         assert seen_busy.wait(60), f"slot never busy while streaming: {_slots(board)}"
         reader.join(120)
         assert not reader.is_alive()
-        wait_for(lambda: _slots(board) == [0, 0], 10, what="the engine's slot idle again after the request")
+        wait_for(lambda: _slots(board)[1] > 0, 10, what="the engine's slot idle again after the request")
     finally:
         group.close()
