@@ -132,7 +132,7 @@ def measure_crossover(layers, dtype: torch.dtype, repeats: int = 3) -> int:
     both weights) or several, timed one after another as a model's pass runs them, so the
     weights stream from memory as they do in a pass rather than sit in cache (one
     SmolLM2 gate/up projection is 3.5 MB of bfloat16: hot, the dense path looked faster
-    from 32 rows on a 2-core AMX host; over all 30 layers it is from ~16, where the whole
+    from 32 rows on a 2-core AMX host; over all 30 layers it is from 24, where the whole
     model's step agrees). Takes up to a few seconds, once per host (crossover_cache)."""
     layers = [layers] if isinstance(layers, Linear) else list(layers)
     if not layers or any(layer.weight is None or layer.qmatmul is None for layer in layers):
@@ -143,23 +143,6 @@ def measure_crossover(layers, dtype: torch.dtype, repeats: int = 3) -> int:
         times = {}
         for name, fn in (("dense", lambda: [layer._dense(x) for layer in layers]),
                          ("low_bit", lambda: [layer._low_bit(x) for layer in layers])):
-            fn()
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - t0)
-            times[name] = best
-        wins.append(times["low_bit"] <= times["dense"])
-    for i, rows in enumerate(PROBE_ROWS):
-        if not any(wins[i:]):
-            return rows
-    return 1 << 30
-    wins = []
-    for rows in PROBE_ROWS:
-        x = torch.randn(rows, layer.weight.shape[1]).to(dtype)
-        times = {}
-        for name, fn in (("dense", lambda: layer._dense(x)), ("low_bit", lambda: layer._low_bit(x))):
             fn()
             best = float("inf")
             for _ in range(repeats):
