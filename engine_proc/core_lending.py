@@ -36,6 +36,8 @@ import os
 import struct
 import time
 
+from shared.placement import cpu_share
+
 log = logging.getLogger("tickserve.engine")
 
 SLOT = struct.Struct("<q")
@@ -87,11 +89,6 @@ class CoreBoard:
         return sum(1 for i in range(self.engines)
                    if i != self.slot and 0 <= SLOT.unpack_from(self._map, i * SLOT.size)[0] <= since)
 
-    def home_cpus(self, cpus: list[int]) -> list[int]:
-        """This engine's share of ``cpus`` (as the supervisor splits them for unlent engines)."""
-        share = max(1, len(cpus) // self.engines)
-        return cpus[self.slot * share:(self.slot + 1) * share] or cpus
-
     def pin_home(self, threads: int) -> None:
         """Start torch's OpenMP pool with ``threads`` threads while this thread may still run
         on every CPU (the pool's threads keep that), then keep the calling thread, the one
@@ -111,7 +108,7 @@ class CoreBoard:
         torch.ones(1 << 22).add_(1)  # a parallel region: the pool's threads now exist, unpinned
         torch.set_num_threads(before)
         try:
-            os.sched_setaffinity(0, self.home_cpus(cpus))  # this thread only (Linux)
+            os.sched_setaffinity(0, cpu_share(cpus, self.slot, self.engines))  # this thread only (Linux)
         except OSError as exc:
             log.warning("cannot keep the engine on its own CPUs (%s)", exc)
 

@@ -53,4 +53,4 @@ def _lending_of(backend) -> dict:
     if board is None or not plan.lend_below:
         return {}
     most = min(board.cpus, plan.max_threads * board.engines)
-    return {"lent_threads": max(0, most - plan.max_threads), "lend_below": min(plan.lend_below, 1 << 30)}
+    return {"lent_threads": max(0, most - plan.max_threads), "lend_below": plan.lend_below}

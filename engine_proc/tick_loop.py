@@ -58,9 +58,10 @@ class TickLoop:
             while not self._stop.is_set():
                 with self.backend_lock:
                     self._drain_inbox(out)
+                    busy = self.scheduler.has_work()
                     if board is not None:
-                        board.publish(self.scheduler.has_work())
-                    if self.scheduler.has_work():
+                        board.publish(busy)
+                    if busy:
                         outputs = self.scheduler.step(stream=lambda early: self._send_outputs(out, early))
                     else:
                         outputs = self.scheduler.drain_outputs()

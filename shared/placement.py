@@ -27,6 +27,13 @@ from pathlib import Path
 MAX_AUTO_ENGINES = 8  # beyond this, measure first: every frontend talks to every engine
 
 
+def cpu_share(cpus: list[int], index: int, count: int) -> list[int]:
+    """Engine ``index``'s share of ``cpus`` when ``count`` engines split them (all of them
+    when there are fewer CPUs than engines)."""
+    share = max(1, len(cpus) // count)
+    return cpus[index * share:(index + 1) * share] or cpus
+
+
 def available_memory_bytes() -> int | None:
     """``MemAvailable`` from ``/proc/meminfo``; ``None`` where there is none."""
     try:

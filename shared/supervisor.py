@@ -43,6 +43,7 @@ from typing import Any
 
 from shared import config as cfg
 from shared.marked_dirs import remove_marked
+from shared.placement import cpu_share
 from shared.ready_line import announce_when_ready
 from shared.startup_faults import EXIT_CONFIG
 
@@ -77,10 +78,9 @@ class Supervisor:
         self.announce = announce
         self.http_sock = http_sock
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        share = max(1, len(cpus) // len(engines)) if cpus else 0
-        # engines split the CPUs; those that lend idle cores to each other (core_board) may run on all of them
+        # engines split the CPUs; those that lend idle cores to each other (core_board) pin only their own thread
         self.engines = [Child(f"engine {i}", "engine_proc", c,
-                              cpus=cpus[i * share:(i + 1) * share] if len(engines) > 1 and cpus and not c.core_board
+                              cpus=cpu_share(cpus, i, len(engines)) if len(engines) > 1 and cpus and not c.core_board
                               else None)
                         for i, c in enumerate(engines)]
         env = {"PROMETHEUS_MULTIPROC_DIR": metrics_dir} if metrics_dir else {}
