@@ -37,6 +37,14 @@ from engine_proc.kernels import select_kernels
 from engine_proc.kv_cache import PagedKVCache, write_slots
 from engine_proc.threads import ThreadPlan
 
+#: Passes of fewer rows than this may borrow an idle sibling engine's core (as long as
+#: they are low-bit, whose numbers do not depend on the thread count). Longer passes do
+#: not: a sibling that gets work mid-pass shares its core with the borrowed thread until
+#: the pass ends. With every pass up to 256 rows low-bit (AMX tiles) and all of them
+#: lending, a 2-core AMX host served 16 streams at 446 tok/s against 492 with lending off
+#: (two rounds, tools/bench_compare.py); a lone stream's decode rows still borrow.
+LEND_MAX_ROWS = 32
+
 
 def _check_supported(config, max_model_len: int) -> None:
     """:func:`~engine_proc.backends.paged_attention.paged_attention` is plain causal softmax
@@ -163,10 +171,10 @@ class PagedBackend(Backend):
             self.runner.plan.quantized_below = host_crossover(
                 lambda: measure_crossover(probes, param.dtype),
                 (probe.out_features, probe.weight.shape[1] if probe.weight is not None else 0, param.dtype,
-                 low_bit.summary, self.qmatmul.isa, self.qmatmul.source_digest, torch.get_num_threads(),
+                 low_bit.summary, self.qmatmul.description, self.qmatmul.source_digest, torch.get_num_threads(),
                  f"{len(probes)} layers at rows {'/'.join(map(str, PROBE_ROWS))}"))
             if self.threads is not None:  # thread-count-independent passes may borrow idle engines' cores
-                self.threads.lend_below = self.runner.plan.quantized_below
+                self.threads.lend_below = min(self.runner.plan.quantized_below, LEND_MAX_ROWS)
         self.weights_precision = f"{low_bit.summary} ({low_bit.kind})" if self.qmatmul is not None else ""
         self.matmul_plan = self._describe_matmul()
         rope_rows = self.runner.cos_sin.shape[0] if self.runner is not None else max_model_len
@@ -183,7 +191,7 @@ class PagedBackend(Backend):
         if self.qmatmul is None:
             return dense
         below = self.runner.plan.quantized_below
-        low = f"low-bit {self.qmatmul.isa}"
+        low = f"low-bit {self.qmatmul.description}"
         return f"{low} (every pass)" if below >= 1 << 30 else f"{low} below {below} rows, {dense} above"
 
     @property

@@ -153,7 +153,9 @@ class QMatmul:
     ``num_threads`` is set per pass by :class:`~engine_proc.threads.ThreadPlan` (as for
     :class:`CKernels`). Raises :class:`KernelsUnavailable` from the constructor when the
     library cannot be built; ``isa`` names the code path compiled (``avx512vnni``,
-    ``avx2`` or ``generic``)."""
+    ``avx2`` or ``generic``). On a CPU with AMX, bfloat16 passes of ``tile_rows`` rows or
+    more de-quantize each tile-block in registers and multiply on the tile unit instead
+    (``qmatmul.c``)."""
 
     def __init__(self, dtype: torch.dtype, num_threads: int = 1):
         from engine_proc.kernels.build import load_qmatmul
@@ -162,6 +164,10 @@ class QMatmul:
         self.dtype = dtype
         self.num_threads = num_threads
         self.isa = self.lib.qmatmul_isa().decode()
+        #: passes of this many rows or more run on AMX tiles (bfloat16); 0: never here
+        self.tile_rows = self.lib.qmatmul_tile_rows()
+        #: what the runtime record names: ``avx512vnni``, ``avx512vnni, amx-bf16 from 16 rows``
+        self.description = self.isa + (f", amx-bf16 from {self.tile_rows} rows" if self.tile_rows else "")
         self.source_digest = source_digest()  # the crossover cache's key: a changed kernel is timed again
 
     def __call__(self, w, x: torch.Tensor, bias: torch.Tensor | None = None, out_f32: bool = False) -> torch.Tensor:

@@ -92,6 +92,7 @@ QMATMUL_SOURCE = Path(__file__).with_name("qmatmul.c")
 QMATMUL_SIGNATURES = {
     "qmatmul": ([_I, _P, _I, _I, _P, _I64, _I, _P, _P, _I64, _I, _I], _I),
     "qmatmul_isa": ([], ctypes.c_char_p),
+    "qmatmul_tile_rows": ([], _I),
 }
 
 

@@ -365,6 +365,227 @@ static inline void tile_block(int fmt, const uint8_t *w, int nb, const int8_t *q
 }
 #endif
 
+/* ------------------------------------------------------------------ AMX (bfloat16 tiles) */
+/* On a CPU with AMX and bfloat16 activations, passes of AMX_MIN_ROWS rows or more run on
+ * the tile unit instead: each tile-block (32 inputs of 16 output rows) is de-quantized
+ * in registers to bfloat16, w = dw·qw + mw (Q8: dw·qw) rounded to nearest even, straight
+ * into the pair layout tdpbf16ps takes as its B operand (one 1 KB tile: 16 rows of input
+ * pairs × 16 outputs), and multiplied with the activations in bfloat16, accumulating in
+ * float32. Memory still sees only the packed bytes (Q4: a quarter of bfloat16's), so a
+ * 64-row pass is bound by the tile unit's arithmetic instead of by reading a bfloat16
+ * copy of the weight, and the de-quantization is paid once per tile, not per row.
+ * Blocking: 2 × 2 tiles (32 rows of x × 32 outputs) per step, the four accumulators in
+ * tile registers over the whole input dimension; every output still belongs to one
+ * thread, so results do not depend on the thread count. Rows are padded to 16 with zeros
+ * in a scratch copy of x. Different rounding from the int8 path (bfloat16 weights and
+ * activations instead of int8 activations): a pass size picks one of the two, as the
+ * crossover picks between low-bit and dense. */
+#if SCALAR_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define AMX 1
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 16
+#endif
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int amx_permitted = 0; /* 0 not asked yet, 1 granted, -1 refused */
+
+static int amx_usable(void) {
+    if (!amx_permitted) /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA (Linux 5.16+) */
+        amx_permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return amx_permitted > 0;
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static void amx_configure(void) { /* all eight tiles 16 rows × 64 bytes */
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* f_a, f_b: 16 outputs' weights at inputs 2p and 2p + 1 → row p of a B tile (dword n =
+ * bf16(f_a[n]) | bf16(f_b[n]) << 16). */
+static inline void store_pair(uint16_t *row, __m512 fa, __m512 fb, __m512i interleave) {
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(fb, fa); /* fa in elements 0-15, fb in 16-31 */
+    _mm512_store_si512((__m512i *)row, _mm512_permutexvar_epi16(interleave, both));
+}
+
+/* One tile-block → one B tile of bfloat16 (512 elements) at buf. */
+static inline void unpack_block(int fmt, const uint8_t *w, uint16_t *buf, __m512i interleave) {
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int off = fmt == FMT_Q4 ? 256 : 512;
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + off)));
+    if (fmt == FMT_Q4) {
+        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + off + 32)));
+        for (int v = 0; v < 4; v++) { /* byte j of dword n: qw[n][4v + j] (low), qw[n][16 + 4v + j] (high) */
+            const __m512i raw = _mm512_loadu_si512(w + 64 * v);
+            for (int h = 0; h < 2; h++) {
+                __m512 f[4];
+                for (int j = 0; j < 4; j++) { /* vpermps reads an index's low 4 bits: the nibble, as a float */
+                    const __m512i q = _mm512_srli_epi32(raw, 8 * j + 4 * h);
+                    f[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, codes), dw, mw);
+                }
+                store_pair(buf + 32 * (8 * h + 2 * v), f[0], f[1], interleave);
+                store_pair(buf + 32 * (8 * h + 2 * v + 1), f[2], f[3], interleave);
+            }
+        }
+    } else {
+        for (int v = 0; v < 8; v++) { /* byte j of dword n: qw[n][4v + j], signed */
+            const __m512i raw = _mm512_loadu_si512(w + 64 * v);
+            __m512 f[4];
+            for (int j = 0; j < 4; j++) {
+                const __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(raw, 24 - 8 * j), 24);
+                f[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), dw);
+            }
+            store_pair(buf + 32 * (2 * v), f[0], f[1], interleave);
+            store_pair(buf + 32 * (2 * v + 1), f[2], f[3], interleave);
+        }
+    }
+}
+
+static inline __m512i pair_interleave(void) {
+    uint16_t idx[32];
+    for (int n = 0; n < 16; n++) idx[2 * n] = (uint16_t)n, idx[2 * n + 1] = (uint16_t)(16 + n);
+    return _mm512_loadu_si512(idx);
+}
+
+/* One 16 × 16 float32 accumulator tile (rows `rows` of it valid) → y, with the bias. */
+static void store_acc(const float *acc, int rows, const float *bias, void *y, int64_t ldy, int r0, int n0,
+                      int out_f32) {
+    const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(acc + 16 * r), b);
+        if (out_f32)
+            _mm512_storeu_ps((float *)y + (int64_t)(r0 + r) * ldy + n0, v);
+        else
+            _mm256_storeu_si256((__m256i *)((scalar_t *)y + (int64_t)(r0 + r) * ldy + n0), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* Tiles [t0, t1) of W for the Mpad (a multiple of 16) rows of xa ([Mpad, K] bfloat16).
+ *
+ * Software-pipelined: while the tile unit multiplies one pair of tiles, the vector units
+ * de-quantize the next pair, a share of its blocks after each step, so the two overlap
+ * instead of taking turns (de-quantizing a pair costs about as much as multiplying it by
+ * 64 rows). `buf` holds two pairs: 4 · nb B tiles. */
+static void run_tiles_amx(int fmt, const uint8_t *w, int t0, int t1, int nb, const uint16_t *xa, int Mpad, int M,
+                          int K, const float *bias, void *y, int64_t ldy, int out_f32, uint16_t *buf) {
+    const int step = fmt == FMT_Q4 ? Q4_BYTES : Q8_BYTES;
+    const int64_t lda = (int64_t)K * 2, tile_bytes = (int64_t)nb * step; /* bytes */
+    const __m512i interleave = pair_interleave();
+    float acc[256] __attribute__((aligned(64)));
+    uint16_t *cur = buf, *nxt = buf + (size_t)2 * nb * 512;
+    amx_configure();
+    for (int i = 0; i < nb * (t0 + 1 < t1 ? 2 : 1); i++) /* the first pair, before any multiply */
+        unpack_block(fmt, w + t0 * tile_bytes + (int64_t)i * step, cur + (size_t)i * 512, interleave);
+    const int chunks = (Mpad + 31) / 32, steps = chunks * nb;
+    for (int t = t0; t < t1; t += 2) {
+        const int pair = t + 1 < t1;
+        const int next = t + 2 < t1 ? (t + 3 < t1 ? 2 : 1) : 0; /* tiles in the next pair */
+        const int units = next * nb;                             /* its blocks to unpack */
+        const uint8_t *wn = w + (t + 2) * tile_bytes;           /* its tiles' bytes follow each other */
+        int done = 0, s = 0;
+        uint16_t *b0 = cur, *b1 = cur + (size_t)nb * 512;
+        for (int m0 = 0; m0 < Mpad; m0 += 32) {
+            const int two = m0 + 16 < Mpad;
+            const uint16_t *a0 = xa + (int64_t)m0 * K, *a1 = a0 + (int64_t)16 * K;
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+            for (int b = 0; b < nb; b++, s++) { /* tiles: 0, 1 x; 2, 3 weights; 4-7 accumulators */
+                _tile_loadd(0, a0 + 32 * b, lda);
+                _tile_loadd(2, b0 + 512 * b, 64);
+                _tile_dpbf16ps(4, 0, 2);
+                if (two) {
+                    _tile_loadd(1, a1 + 32 * b, lda);
+                    _tile_dpbf16ps(6, 1, 2);
+                }
+                if (pair) {
+                    _tile_loadd(3, b1 + 512 * b, 64);
+                    _tile_dpbf16ps(5, 0, 3);
+                    if (two) _tile_dpbf16ps(7, 1, 3);
+                }
+                const int target = (int)((int64_t)units * (s + 1) / steps);
+                for (; done < target; done++) {
+                    const uint8_t *blk = wn + (int64_t)done * step;
+                    for (int line = 0; line < step; line += 64) /* the pair after: from memory meanwhile */
+                        _mm_prefetch((const char *)(blk + 2 * tile_bytes + line), _MM_HINT_T0);
+                    unpack_block(fmt, blk, nxt + (size_t)done * 512, interleave);
+                }
+            }
+            const int rows0 = M - m0 < 16 ? M - m0 : 16, rows1 = M - m0 - 16 < 16 ? M - m0 - 16 : 16;
+            _tile_stored(4, acc, 64);
+            store_acc(acc, rows0, bias, y, ldy, m0, t * TILE, out_f32);
+            if (pair) {
+                _tile_stored(5, acc, 64);
+                store_acc(acc, rows0, bias, y, ldy, m0, (t + 1) * TILE, out_f32);
+            }
+            if (two && rows1 > 0) {
+                _tile_stored(6, acc, 64);
+                store_acc(acc, rows1, bias, y, ldy, m0 + 16, t * TILE, out_f32);
+                if (pair) {
+                    _tile_stored(7, acc, 64);
+                    store_acc(acc, rows1, bias, y, ldy, m0 + 16, (t + 1) * TILE, out_f32);
+                }
+            }
+        }
+        uint16_t *swap = cur;
+        cur = nxt, nxt = swap;
+    }
+    _tile_release(); /* back to the init state: nothing for a context switch to save */
+}
+
+/* The AMX pass: x copied into zero-padded rows, the tiles split across threads as above.
+ * Returns 0, or -1 when scratch memory ran out. */
+static int qmatmul_amx(int fmt, const uint8_t *w, int N, int K, const scalar_t *x, int64_t ldx, int M,
+                       const float *bias, void *y, int64_t ldy, int out_f32, int nthreads) {
+    const int nb = K / QB, tiles = N / TILE, Mpad = (M + 15) / 16 * 16;
+    uint16_t *xa = aligned_alloc(64, (size_t)Mpad * K * 2);
+    if (!xa) return -1;
+    for (int r = 0; r < M; r++) memcpy(xa + (size_t)r * K, x + (int64_t)r * ldx, (size_t)K * 2);
+    memset(xa + (size_t)M * K, 0, (size_t)(Mpad - M) * K * 2);
+    const size_t buf_bytes = (size_t)4 * nb * 512 * 2;
+    int failed = 0;
+    if (nthreads > 1 && tiles > 2) {
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+        {
+            extern int omp_get_thread_num(void), omp_get_num_threads(void);
+            const int id = omp_get_thread_num(), n = omp_get_num_threads();
+            /* whole pairs of tiles to each thread, so no pair straddles two */
+            const int pairs = (tiles + 1) / 2;
+            const int t0 = 2 * (int)((int64_t)pairs * id / n), t1e = 2 * (int)((int64_t)pairs * (id + 1) / n);
+            const int t1 = t1e < tiles ? t1e : tiles;
+            uint16_t *buf = t1 > t0 ? aligned_alloc(64, buf_bytes) : NULL;
+            if (t1 > t0 && !buf)
+                failed = 1;
+            else if (t1 > t0)
+                run_tiles_amx(fmt, w, t0, t1, nb, xa, Mpad, M, K, bias, y, ldy, out_f32, buf);
+            free(buf);
+        }
+    } else {
+        uint16_t *buf = aligned_alloc(64, buf_bytes);
+        if (!buf)
+            failed = 1;
+        else
+            run_tiles_amx(fmt, w, 0, tiles, nb, xa, Mpad, M, K, bias, y, ldy, out_f32, buf);
+        free(buf);
+    }
+    free(xa);
+    return failed ? -1 : 0;
+}
+#else
+#define AMX 0
+#define AMX_MIN_ROWS 0
+#endif
+
 /* ------------------------------------------------------------------ entry points */
 
 static void run_tiles(int fmt, const uint8_t *w, int t0, int t1, int nb, const int8_t *qa, const float *da,
@@ -408,6 +629,9 @@ static void run_tiles(int fmt, const uint8_t *w, int t0, int t1, int nb, const i
 int qmatmul(int fmt, const uint8_t *w, int N, int K, const scalar_t *x, int64_t ldx, int M, const float *bias,
             void *y, int64_t ldy, int out_f32, int nthreads) {
     const int nb = K / QB, tiles = N / TILE;
+#if AMX
+    if (M >= AMX_MIN_ROWS && amx_usable()) return qmatmul_amx(fmt, w, N, K, x, ldx, M, bias, y, ldy, out_f32, nthreads);
+#endif
     int8_t *qa = malloc((size_t)M * K + 3 * sizeof(float) * (size_t)M * nb);
     if (!qa) return -1;
     float *da = (float *)(qa + (size_t)M * K), *sa = da + 2 * (size_t)M * nb;
@@ -430,3 +654,12 @@ int qmatmul(int fmt, const uint8_t *w, int N, int K, const scalar_t *x, int64_t 
 
 /* Which code path this build takes ("avx512vnni", "avx2" or "generic"). */
 const char *qmatmul_isa(void) { return ISA; }
+
+/* The row count from which a pass runs on AMX tiles; 0 where this build or CPU has none. */
+int qmatmul_tile_rows(void) {
+#if AMX
+    return amx_usable() ? AMX_MIN_ROWS : 0;
+#else
+    return 0;
+#endif
+}
