@@ -170,6 +170,41 @@ def test_c_rope_write_kv_matches_torch(dtype):
 
 @needs_c
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_written_by_their_own_attention_match_a_separate_write(dtype):
+    """rope_write_kv(first_write=B) + decode_attention(new_kv=...) — the decode rows' keys
+    and values written by the attention that reads them — leave the same cache bytes and
+    give the same output as writing every token first, on the C kernels and the torch
+    ones; the C kernels take the attention path of this host (AMX tiles where it has them)."""
+    from engine_proc.kernels import NewKV
+
+    d, group, bs, kvh = 64, 3, 16, 3
+    heads = kvh * group
+    hd, kvd = heads * d, kvh * d
+    lens = [1, 17, 40, 235, 16]  # a row's first token; block-boundary rows; a long row
+    tables = _tables(lens, bs, 40, seed=3)
+    slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens)])
+    positions = torch.tensor([n - 1 for n in lens])
+    cos_sin = torch.randn(512, d)
+    qkv = torch.randn(len(lens), hd + 2 * kvd).to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    for kern in (CKernels(dtype, d, group, bs, 2), TorchKernels(d, group, bs)):
+        results = []
+        for fused in (False, True):
+            cache = _cache(41, bs, kvh, d, dtype, seed=5)
+            x = qkv.clone()
+            kern.rope_write_kv(x, heads, kvh, positions, cos_sin, slots, cache.keys[0], cache.values[0],
+                               first_write=len(lens) if fused else 0)
+            new_kv = NewKV(x[:, hd:hd + kvd], x[:, hd + kvd:], slots) if fused else None
+            out = kern.decode_attention(x[:, :hd], cache.keys[0], cache.values[0], tables, lens_t, d ** -0.5, new_kv)
+            results.append((out, cache.keys[0].clone(), cache.values[0].clone()))
+        for a, b in zip(*results):
+            assert torch.equal(a, b), kern.name
+        untouched = _cache(41, bs, kvh, d, dtype, seed=5)
+        assert not torch.equal(untouched.keys[0], results[1][1])  # the new keys did land
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_c_norm_silu_argmax_match_torch(dtype):
     c, t = CKernels(dtype, 64, 3, 16, 2), TorchKernels(64, 3, 16)
     for rows in (1, 5, 100):

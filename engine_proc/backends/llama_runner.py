@@ -9,7 +9,8 @@ matmuls themselves. This runner reads the same weights and does, per layer::
 
     h   = rms_norm(x + residual)                      kernels.add_rms_norm   (fused)
     qkv = h @ W_qkvᵀ                                  one matmul (Q, K, V fused)
-    rope(q, k); k, v → cache slots                    kernels.rope_write_kv  (fused)
+    rope(q, k); k, v → cache slots                    kernels.rope_write_kv  (fused; a decode row's k, v
+                                                      are written by its attention, which reads that block)
     a   = attention(q, paged KV)                      kernels.decode_attention; per prefill segment the
                                                       path measured at start-up (prefill_attention.py)
     x   = a @ W_oᵀ
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 from engine_proc.backends.linear import Linear, MatmulPlan
 from engine_proc.backends.prefill_attention import SDPA_ONLY, PrefillAttentionPlan, matmul_attention, sdpa_attention
-from engine_proc.kernels import TorchKernels
+from engine_proc.kernels import NewKV, TorchKernels
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -161,7 +162,7 @@ class LlamaRunner:
         """
         k_caches, v_caches = self.cache.keys, self.cache.values
         kern = self.kernels
-        hd = self.heads * self.head_dim
+        hd, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
         num_decode = len(decode.seq_lens) if decode is not None else 0
         small, large = self._split_prefill(prefill, num_decode) if prefill is not None else (None, [])
         residual = F.embedding(ids, self.embed)
@@ -169,16 +170,20 @@ class LlamaRunner:
         for i, layer in enumerate(self.layers):
             h = kern.add_rms_norm(residual if x is None else x, None if x is None else residual, layer.ln1, layer.eps1)
             qkv = layer.qkv(h)
-            kern.rope_write_kv(qkv, self.heads, self.kv_heads, positions, self.cos_sin, slots, k_caches[i], v_caches[i])
+            # decode rows' keys and values are written by their own attention (NewKV): one fetch of the lines
+            kern.rope_write_kv(qkv, self.heads, self.kv_heads, positions, self.cos_sin, slots, k_caches[i], v_caches[i],
+                               first_write=num_decode)
             q = qkv[:, :hd]
+            new_kv = NewKV(qkv[:num_decode, hd:hd + kvd], qkv[:num_decode, hd + kvd:], slots[:num_decode])
             if prefill is None:
                 attn = kern.decode_attention(q, k_caches[i], v_caches[i], decode.block_tables, decode.kernel_lens,
-                                             self.scale)
+                                             self.scale, new_kv)
             else:
                 attn = torch.empty(q.shape, dtype=q.dtype, device=q.device)
                 if num_decode:
                     attn[:num_decode] = kern.decode_attention(q[:num_decode], k_caches[i], v_caches[i],
-                                                              decode.block_tables, decode.kernel_lens, self.scale)
+                                                              decode.block_tables, decode.kernel_lens, self.scale,
+                                                              new_kv)
                 if small is not None:  # short segments: every prompt token as a one-query "row"
                     rows, tables, lens = small
                     attn[rows] = kern.decode_attention(q[rows], k_caches[i], v_caches[i], tables, lens, self.scale)

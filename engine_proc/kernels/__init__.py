@@ -16,6 +16,7 @@ Two implementations with the same contract (and the same numbers, to rounding):
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,17 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+@dataclass(frozen=True)
+class NewKV:
+    """Decode rows' own new tokens for ``decode_attention`` to write before it reads:
+    ``k`` (rotated) and ``v`` ``[B, kv_heads · D]`` (views into the fused QKV rows; one
+    row stride), ``slots`` ``[B]`` int64, each row's cache slot."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slots: torch.Tensor
+
+
 class TorchKernels:
     """The kernels in PyTorch ops (see the C source for each contract)."""
 
@@ -38,11 +50,18 @@ class TorchKernels:
         self.head_dim, self.group, self.block_size = head_dim, group, block_size
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         new_kv: NewKV | None = None) -> torch.Tensor:
         """``q`` ``[B, heads · D]`` → ``[B, heads · D]``: each row attends over its first
         ``seq_lens[b]`` cached tokens. The blocks are gathered and padded to the longest
         row (null-block padding is masked), then two batched matmuls with a float32
-        softmax between them — on a CPU several times faster than SDPA for one query."""
+        softmax between them — on a CPU several times faster than SDPA for one query.
+        ``new_kv``: each row's own new key (rotated) and value, written to its slot first
+        (see :class:`NewKV`)."""
+        if new_kv is not None:
+            kvh = k_cache.shape[1]
+            write_slots(k_cache, v_cache, new_kv.slots, new_kv.k.reshape(-1, kvh, self.head_dim),
+                        new_kv.v.reshape(-1, kvh, self.head_dim))
         b, width = block_tables.shape
         d, g = self.head_dim, self.group
         kvh = k_cache.shape[1]
@@ -56,9 +75,11 @@ class TorchKernels:
 
     def rope_write_kv(self, qkv: torch.Tensor, heads: int, kv_heads: int, positions: torch.Tensor,
                       cos_sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor) -> None:
+                      v_cache: torch.Tensor, first_write: int = 0) -> None:
         """Rotate the query heads of ``qkv`` ``[T, (heads + 2·kv_heads) · D]`` in place and
-        write rotated keys and values to ``slots`` ``[T]`` of the caches."""
+        write rotated keys and values to ``slots`` ``[T]`` of the caches; the tokens
+        before ``first_write`` get their keys rotated in place instead and nothing
+        written (their attention writes them: ``decode_attention``'s ``new_kv``)."""
         t, d = qkv.shape[0], self.head_dim
         half = d // 2
         cs = cos_sin.index_select(0, positions)
@@ -67,7 +88,10 @@ class TorchKernels:
         x1, x2 = qk[..., :half].float(), qk[..., half:].float()
         rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(qkv.dtype)
         qk[:, :heads] = rotated[:, :heads]
-        write_slots(k_cache, v_cache, slots, rotated[:, heads:], qkv[:, (heads + kv_heads) * d:].reshape(t, kv_heads, d))
+        qk[:first_write, heads:] = rotated[:first_write, heads:]
+        w = slice(first_write, None)
+        write_slots(k_cache, v_cache, slots[w], rotated[w, heads:],
+                    qkv[w, (heads + kv_heads) * d:].reshape(-1, kv_heads, d))
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -113,17 +137,23 @@ class CKernels(TorchKernels):
         """What the runtime record names: ``c (attention amx-bf16)``."""
         return f"c (attention {self.attention_isa})"
 
-    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale):
+    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale, new_kv=None):
         b = q.shape[0]
         out = torch.empty(b, q.shape[1], dtype=q.dtype)
+        new = (None, None, 0, None)
+        if new_kv is not None:
+            if new_kv.k.stride() != new_kv.v.stride() or new_kv.k.stride(-1) != 1 or new_kv.slots.dtype != torch.int64:
+                raise ValueError("new_kv wants k and v rows of one stride and int64 slots")
+            new = (_ptr(new_kv.k), _ptr(new_kv.v), new_kv.k.stride(0), _ptr(new_kv.slots))
         self.lib.decode_attention(_ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables),
                                   block_tables.stride(0), _ptr(seq_lens), _ptr(out), out.stride(0), b,
-                                  k_cache.shape[1], scale, self.num_threads)
+                                  k_cache.shape[1], scale, self.num_threads, *new)
         return out
 
-    def rope_write_kv(self, qkv, heads, kv_heads, positions, cos_sin, slots, k_cache, v_cache):
+    def rope_write_kv(self, qkv, heads, kv_heads, positions, cos_sin, slots, k_cache, v_cache, first_write=0):
         self.lib.rope_write_kv(_ptr(qkv), qkv.stride(0), qkv.shape[0], heads, kv_heads, _ptr(positions),
-                               _ptr(cos_sin), _ptr(slots), _ptr(k_cache), _ptr(v_cache), self.num_threads)
+                               _ptr(cos_sin), _ptr(slots), _ptr(k_cache), _ptr(v_cache), self.num_threads,
+                               first_write)
 
     def add_rms_norm(self, x, residual, weight, eps):
         out = torch.empty_like(x)

@@ -78,8 +78,8 @@ _I64 = ctypes.c_int64
 _I = ctypes.c_int
 _F = ctypes.c_float
 SIGNATURES = {
-    "decode_attention": [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I, _I, _F, _I],
-    "rope_write_kv": [_P, _I64, _I, _I, _I, _P, _P, _P, _P, _P, _I],
+    "decode_attention": [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I, _I, _F, _I, _P, _P, _I64, _P],
+    "rope_write_kv": [_P, _I64, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I],
     "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I],
     "silu_and_mul": [_P, _P, _I, _I, _I],
     "argmax_rows": [_P, _I64, _I, _I, _P, _I],

@@ -523,6 +523,22 @@ static void attend_two_pass_amx(const scalar_t *qb, const scalar_t *k_cache, con
 }
 #endif
 
+/* One token's key and value of KV head h (D elements each, k already rotated) → cache
+ * slot `slot` in the layouts the attention paths read (see rope_write_kv). */
+static inline void write_token_kv(scalar_t *k_cache, scalar_t *v_cache, int64_t slot, int h, int64_t head_stride,
+                                  int64_t blk_stride, const scalar_t *k, const scalar_t *v) {
+    const int64_t blk = slot / BS, off = slot % BS;
+    scalar_t *kdst = k_cache + blk * blk_stride + (int64_t)h * head_stride;
+    scalar_t *vdst = v_cache + blk * blk_stride + (int64_t)h * head_stride;
+#if PAIRED /* key dims 2i, 2i+1 at [blk][head][i][off][0..1]; value dim i at [blk][head][off/2][i][off%2] */
+    for (int i = 0; i < D / 2; i++) memcpy(kdst + ((int64_t)i * BS + off) * 2, k + 2 * i, 2 * sizeof(scalar_t));
+    for (int i = 0; i < D; i++) vdst[((off / 2) * D + i) * 2 + off % 2] = v[i];
+#else /* key dim i at [blk][head][i][off]; value row at [blk][head][off] */
+    for (int i = 0; i < D; i++) kdst[(int64_t)i * BS + off] = k[i];
+    memcpy(vdst + off * D, v, sizeof(scalar_t) * D);
+#endif
+}
+
 /* Decode attention over the paged KV cache, reading blocks in place (no gather, no
  * padding): for every row b and query head h,
  *
@@ -539,10 +555,17 @@ static void attend_two_pass_amx(const scalar_t *qb, const scalar_t *k_cache, con
  * out: the same shape, rows `out_stride` apart; block_tables: [batch, table_stride] int32;
  * seq_lens: [batch] int32, each >= 1. Keys past a row's length in its last block are
  * read but masked (they are finite: blocks are zeroed when a row takes them).
+ *
+ * new_slots (or NULL): each row's own new token is written to the cache first, at
+ * new_slots[b], from new_k / new_v ([batch, kv_heads · D], rows `new_stride` apart; k
+ * rotated), by the work item that then reads it: the lines of the row's last block are
+ * fetched once, for the write, instead of once by a separate write pass and again here
+ * (a decode token's key touches D/2 lines of its block in the pair layout).
  */
-void decode_attention(const scalar_t *q, int64_t q_stride, const scalar_t *k_cache, const scalar_t *v_cache,
+void decode_attention(const scalar_t *q, int64_t q_stride, scalar_t *k_cache, scalar_t *v_cache,
                       const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-                      scalar_t *out, int64_t out_stride, int batch, int kv_heads, float scale, int nthreads) {
+                      scalar_t *out, int64_t out_stride, int batch, int kv_heads, float scale, int nthreads,
+                      const scalar_t *new_k, const scalar_t *new_v, int64_t new_stride, const int64_t *new_slots) {
     const int64_t head_stride = (int64_t)D * BS;
     const int64_t blk_stride = (int64_t)kv_heads * head_stride;
     const int64_t items = (int64_t)batch * kv_heads;
@@ -557,6 +580,9 @@ void decode_attention(const scalar_t *q, int64_t q_stride, const scalar_t *k_cac
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; item++) {
         const int b = (int)(item / kv_heads), h = (int)(item % kv_heads);
+        if (new_slots)
+            write_token_kv(k_cache, v_cache, new_slots[b], h, head_stride, blk_stride,
+                           new_k + b * new_stride + (int64_t)h * D, new_v + b * new_stride + (int64_t)h * D);
         if (seq_lens[b] <= TWO_PASS_MAX) {
 #if AMX
             if (amx) {
@@ -716,15 +742,19 @@ const char *decode_attention_isa(void) {
  * cos_sin: [max_position, D] float32, row p = (cos θ_p,i for i < D/2 | sin θ_p,i for i < D/2),
  * from the model's own rotary embedding (so rope scaling variants are whatever it computes).
  * qkv: [ntok, ...] rows `qkv_stride` elements apart; positions and slots: [ntok] int64.
+ * Tokens before `first_write` (decode rows whose attention writes their own key and
+ * value: decode_attention's new_slots) get their keys rotated in place in qkv instead
+ * and nothing written to the cache.
  */
 void rope_write_kv(scalar_t *qkv, int64_t qkv_stride, int ntok, int heads, int kv_heads, const int64_t *positions,
-                   const float *cos_sin, const int64_t *slots, scalar_t *k_cache, scalar_t *v_cache, int nthreads) {
+                   const float *cos_sin, const int64_t *slots, scalar_t *k_cache, scalar_t *v_cache, int nthreads,
+                   int first_write) {
     const int64_t head_stride = (int64_t)D * BS, blk_stride = (int64_t)kv_heads * head_stride;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && ntok > 64)
     for (int t = 0; t < ntok; t++) {
         const float *cs = cos_sin + positions[t] * D;
         scalar_t *row = qkv + (int64_t)t * qkv_stride;
-        const int64_t blk = slots[t] / BS, off = slots[t] % BS;
+        const int write = t >= first_write;
         for (int hh = 0; hh < heads + kv_heads; hh++) {
             scalar_t *x = row + (int64_t)hh * D;
             float y[D];
@@ -745,32 +775,18 @@ void rope_write_kv(scalar_t *qkv, int64_t qkv_stride, int ntok, int heads, int k
                 y[i + HALF] = x2 * cs[i] + x1 * cs[HALF + i];
             }
 #endif
-            if (hh < heads) {
+            if (hh < heads || !write) { /* rotated in place */
                 for (int i = 0; i < D; i += VL) {
                     vf v;
                     memcpy(&v, y + i, sizeof v);
                     vstore(x + i, v);
                 }
             } else {
-                scalar_t *kdst = k_cache + blk * blk_stride + (int64_t)(hh - heads) * head_stride;
-#if PAIRED /* dims 2i, 2i+1 of this token at [blk][head][i][off][0..1] */
-                for (int i = 0; i < D / 2; i++) {
-                    kdst[((int64_t)i * BS + off) * 2] = store(y[2 * i]);
-                    kdst[((int64_t)i * BS + off) * 2 + 1] = store(y[2 * i + 1]);
-                }
-#else /* dimension i of this token at [blk][head][i][off] */
-                for (int i = 0; i < D; i++) kdst[(int64_t)i * BS + off] = store(y[i]);
-#endif
+                scalar_t k[D];
+                for (int i = 0; i < D; i++) k[i] = store(y[i]);
+                write_token_kv(k_cache, v_cache, slots[t], hh - heads, head_stride, blk_stride, k,
+                               row + (int64_t)(heads + kv_heads + hh - heads) * D);
             }
-        }
-        const scalar_t *v = row + (int64_t)(heads + kv_heads) * D;
-        for (int hh = 0; hh < kv_heads; hh++) {
-            scalar_t *vdst = v_cache + blk * blk_stride + (int64_t)hh * head_stride;
-#if PAIRED /* token off of dim i at [blk][head][off/2][i][off%2] */
-            for (int i = 0; i < D; i++) vdst[((off / 2) * D + i) * 2 + off % 2] = v[(int64_t)hh * D + i];
-#else
-            memcpy(vdst + off * D, v + (int64_t)hh * D, sizeof(scalar_t) * D);
-#endif
         }
     }
 }
