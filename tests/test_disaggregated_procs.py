@@ -100,11 +100,16 @@ def test_greedy_tokens_equal_monolithic_and_stats_show_the_roles(disagg, tiny_mo
                                 timeout=120)
     assert status == 200 and body["choices"][0]["finish_reason"] == "stop"
     assert body["choices"][0]["text"] == text[:text.index(stop)]
-    metrics = httpx.get(f"{base}/metrics", timeout=10).text
     decode_id = by_role["decode"]["engine_id"]
-    assert f'tickserve_engine_info{{engine="{decode_id}",role="decode"}} 1.0' in metrics
-    count = next(float(line.split()[-1]) for line in metrics.splitlines()
-                 if line.startswith(f'tickserve_handovers_total{{engine="{decode_id}",role="decode"}}'))
+    deadline = time.monotonic() + 10  # /metrics reads the engines' last heartbeat: it may lag a moment
+    while True:
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        assert f'tickserve_engine_info{{engine="{decode_id}",role="decode"}} 1.0' in metrics
+        count = next(float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith(f'tickserve_handovers_total{{engine="{decode_id}",role="decode"}}'))
+        if count >= 6 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert count >= 6
     assert f'tickserve_handover_time_ms{{engine="{decode_id}",quantile="0.99",role="decode"}}' in metrics
     assert "tickserve_engine_kv_pressure_by_engine{" in metrics
