@@ -104,12 +104,12 @@ def test_greedy_tokens_equal_monolithic_and_stats_show_the_roles(disagg, tiny_mo
     deadline = time.monotonic() + 10  # /metrics reads the engines' last heartbeat: it may lag a moment
     while True:
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
-        assert f'tickserve_engine_info{{engine="{decode_id}",role="decode"}} 1.0' in metrics
-        count = next(float(line.split()[-1]) for line in metrics.splitlines()
-                     if line.startswith(f'tickserve_handovers_total{{engine="{decode_id}",role="decode"}}'))
+        count = next((float(line.split()[-1]) for line in metrics.splitlines()
+                      if line.startswith(f'tickserve_handovers_total{{engine="{decode_id}",role="decode"}}')), 0)
         if count >= 6 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
+    assert f'tickserve_engine_info{{engine="{decode_id}",role="decode"}} 1.0' in metrics
     assert count >= 6
     assert f'tickserve_handover_time_ms{{engine="{decode_id}",quantile="0.99",role="decode"}}' in metrics
     assert "tickserve_engine_kv_pressure_by_engine{" in metrics
