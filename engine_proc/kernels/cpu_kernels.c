@@ -433,6 +433,10 @@ static void attend_two_pass_amx(const scalar_t *qb, const scalar_t *k_cache, con
         const scalar_t *kb = k_cache + (int64_t)table[blk] * blk_stride + h * head_stride;
         if (blk + PREFETCH_BLOCKS < nblk)
             prefetch_block(k_cache, (int64_t)table[blk + PREFETCH_BLOCKS] * blk_stride + h * head_stride, head_stride);
+        { /* this block's values, for pass 2, into L2 meanwhile */
+            const char *vp = (const char *)(v_cache + (int64_t)table[blk] * blk_stride + h * head_stride);
+            for (int64_t off = 0; off < (int64_t)sizeof(scalar_t) * head_stride; off += 64) __builtin_prefetch(vp + off, 0, 2);
+        }
         for (int s = 0; s < BS; s += 16) { /* k_cache rows: dimension pairs, BS keys each */
 #define QK_TILE(c, tq) do {                                                         \
                 TLOAD(T_K, kb + ((int64_t)(c) * 16 * BS + s) * 2, BS * 4);          \
