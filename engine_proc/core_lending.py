@@ -44,6 +44,13 @@ SLOT = struct.Struct("<q")
 BOARD_NAME = "cores.board"
 BUSY = -1
 MIN_IDLE_S = 0.05  # a sibling idle for less than this is not lent out
+#: Passes of fewer rows than this may borrow an idle sibling engine's core (as long as
+#: they are low-bit, whose numbers do not depend on the thread count). Longer passes do
+#: not: a sibling that gets work mid-pass shares its core with the borrowed thread until
+#: the pass ends. With every pass up to 256 rows low-bit (AMX tiles) and all of them
+#: lending, a 2-core AMX host served 16 streams at 446 tok/s against 492 with lending off
+#: (two rounds, tools/bench_compare.py); a lone stream's decode rows still borrow.
+LEND_MAX_ROWS = 32
 
 
 def create_board(path: str, engines: int) -> None:

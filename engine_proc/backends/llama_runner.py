@@ -165,6 +165,7 @@ class LlamaRunner:
         hd, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
         num_decode = len(decode.seq_lens) if decode is not None else 0
         small, large = self._split_prefill(prefill, num_decode) if prefill is not None else (None, [])
+        decode_slots = slots[:num_decode]
         residual = F.embedding(ids, self.embed)
         x = None
         for i, layer in enumerate(self.layers):
@@ -174,7 +175,8 @@ class LlamaRunner:
             kern.rope_write_kv(qkv, self.heads, self.kv_heads, positions, self.cos_sin, slots, k_caches[i], v_caches[i],
                                first_write=num_decode)
             q = qkv[:, :hd]
-            new_kv = NewKV(qkv[:num_decode, hd:hd + kvd], qkv[:num_decode, hd + kvd:], slots[:num_decode])
+            new_kv = NewKV(qkv[:num_decode, hd:hd + kvd], qkv[:num_decode, hd + kvd:], decode_slots) \
+                if num_decode else None
             if prefill is None:
                 attn = kern.decode_attention(q, k_caches[i], v_caches[i], decode.block_tables, decode.kernel_lens,
                                              self.scale, new_kv)

@@ -33,17 +33,10 @@ from engine_proc.backends.kernel_batch import BatchRejected, KernelLimits, check
 from engine_proc.backends.paged_attention import (ATTN_IMPLEMENTATION, DecodeAttention, MixedForward,
                                                   PagedForward, meta_is_prefill)
 from engine_proc.block_pool import BlockPool, cdiv
+from engine_proc.core_lending import LEND_MAX_ROWS
 from engine_proc.kernels import select_kernels
 from engine_proc.kv_cache import PagedKVCache, write_slots
 from engine_proc.threads import ThreadPlan
-
-#: Passes of fewer rows than this may borrow an idle sibling engine's core (as long as
-#: they are low-bit, whose numbers do not depend on the thread count). Longer passes do
-#: not: a sibling that gets work mid-pass shares its core with the borrowed thread until
-#: the pass ends. With every pass up to 256 rows low-bit (AMX tiles) and all of them
-#: lending, a 2-core AMX host served 16 streams at 446 tok/s against 492 with lending off
-#: (two rounds, tools/bench_compare.py); a lone stream's decode rows still borrow.
-LEND_MAX_ROWS = 32
 
 
 def _check_supported(config, max_model_len: int) -> None:

@@ -231,9 +231,17 @@ static inline float exp_approx(float x) {
 #endif
 _Static_assert(TWO_PASS_MAX <= TWO_PASS_KEYS, "TWO_PASS_MAX exceeds the scores kept on the stack");
 
+/* Every line of one KV head's block at `at`; locality 3 (prefetcht0, into L1) or 2
+ * (prefetcht1, L2: needed a little later). A macro: __builtin_prefetch wants a constant. */
+#define PREFETCH_HEAD_BLOCK(cache, at, head_stride, locality)                                     \
+    do {                                                                                          \
+        const char *p_ = (const char *)((cache) + (at));                                          \
+        for (int64_t off_ = 0; off_ < (int64_t)sizeof(scalar_t) * (head_stride); off_ += 64)     \
+            __builtin_prefetch(p_ + off_, 0, locality);                                           \
+    } while (0)
+
 static inline void prefetch_block(const scalar_t *cache, int64_t at, int64_t head_stride) {
-    const char *p = (const char *)(cache + at);
-    for (int64_t off = 0; off < (int64_t)sizeof(scalar_t) * head_stride; off += 64) __builtin_prefetch(p + off);
+    PREFETCH_HEAD_BLOCK(cache, at, head_stride, 3);
 }
 
 /* The exponentials of a two-pass item, all keys at once: scores[g][i] ← e^(scores[g][i] −
@@ -433,10 +441,8 @@ static void attend_two_pass_amx(const scalar_t *qb, const scalar_t *k_cache, con
         const scalar_t *kb = k_cache + (int64_t)table[blk] * blk_stride + h * head_stride;
         if (blk + PREFETCH_BLOCKS < nblk)
             prefetch_block(k_cache, (int64_t)table[blk + PREFETCH_BLOCKS] * blk_stride + h * head_stride, head_stride);
-        { /* this block's values, for pass 2, into L2 meanwhile */
-            const char *vp = (const char *)(v_cache + (int64_t)table[blk] * blk_stride + h * head_stride);
-            for (int64_t off = 0; off < (int64_t)sizeof(scalar_t) * head_stride; off += 64) __builtin_prefetch(vp + off, 0, 2);
-        }
+        /* this block's values, for pass 2, into L2 meanwhile */
+        PREFETCH_HEAD_BLOCK(v_cache, (int64_t)table[blk] * blk_stride + h * head_stride, head_stride, 2);
         for (int s = 0; s < BS; s += 16) { /* k_cache rows: dimension pairs, BS keys each */
 #define QK_TILE(c, tq) do {                                                         \
                 TLOAD(T_K, kb + ((int64_t)(c) * 16 * BS + s) * 2, BS * 4);          \
@@ -795,7 +801,7 @@ void rope_write_kv(scalar_t *qkv, int64_t qkv_stride, int ntok, int heads, int k
                 scalar_t k[D];
                 for (int i = 0; i < D; i++) k[i] = store(y[i]);
                 write_token_kv(k_cache, v_cache, slots[t], hh - heads, head_stride, blk_stride, k,
-                               row + (int64_t)(heads + kv_heads + hh - heads) * D);
+                               row + (int64_t)(kv_heads + hh) * D); /* its value: kv_heads heads on */
             }
         }
     }
