@@ -415,6 +415,7 @@ static void amx_configure(void) {
     c.rows[T_V] = PV_K / 2, c.colsb[T_V] = 64;
     c.rows[T_P] = G, c.colsb[T_P] = PV_K * 2;
     for (int t = T_Q0; t <= T_Q3; t++) c.rows[t] = G, c.colsb[t] = 64;
+    __asm__ volatile("" : : "r"(&c) : "memory"); /* keep the stores: see qmatmul.c's amx_configure */
     _tile_loadconfig(&c);
 }
 
