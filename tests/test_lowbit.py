@@ -135,9 +135,9 @@ def _build_qmatmul(tmp_path, name: str, dtype: torch.dtype, extra: list[str]) ->
 @pytest.mark.skipif(not {"amx_tile", "amx_bf16", "avx512_bf16"} <= _cpu_flags(), reason="no AMX on this CPU")
 @pytest.mark.parametrize("gguf_type", TYPES)
 def test_amx_tiles_match_the_dequantized_weight_and_the_int8_path(gguf_type, tmp_path):
-    """bfloat16 passes of 16 rows or more run on AMX tiles (each tile-block de-quantized
+    """bfloat16 passes of 4 rows or more run on AMX tiles (each tile-block de-quantized
     in registers): within 1 % of float32 on the de-quantized weight at every row count
-    around the tiles' 16 and 32 rows, on both loops (the column loop up to 64 rows, the
+    around the tiles' 16 and 32 rows and from the first tiled one, on both loops (the column loop up to 64 rows, the
     panel loop above) and with an odd tile count; the same numbers on one
     thread as on two; and close to the int8 vector path a build without AMX takes."""
     from engine_proc.kernels import QMatmul
@@ -147,10 +147,10 @@ def test_amx_tiles_match_the_dequantized_weight_and_the_int8_path(gguf_type, tmp
     dense = quant.dequantize(w)
     bias = torch.randn(n) * 0.1
     mm = QMatmul(torch.bfloat16, num_threads=2)
-    assert mm.tile_rows == 16 and "amx-bf16" in mm.description
+    assert mm.tile_rows == 4 and "amx-bf16" in mm.description
     vector = _build_qmatmul(tmp_path, "no-amx", torch.bfloat16, ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"])
     assert vector.qmatmul_tile_rows() == 0
-    for rows in (16, 17, 31, 32, 33, 48, 64, 65, 70):
+    for rows in (4, 9, 16, 17, 31, 32, 33, 48, 64, 65, 70):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         want = x.float() @ dense.T + bias
         got = mm(w, x, bias, out_f32=True)
