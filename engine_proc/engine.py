@@ -89,6 +89,7 @@ class EngineServer(IOLoop, TickLoop, HandoverLink):
         scheduler.on_left_pending = self._count_left_pending
         scheduler.on_grammar_ready = self._wake.set  # a compile finished: tick now, not in 0.1 s
         self._tick_thread = threading.Thread(target=self._tick_loop, name="engine-tick", daemon=True)
+        self._ticks_done = threading.Event()  # the tick loop ended, on whichever thread ran it (run_ticks)
         self._threads = [threading.Thread(target=self._io_loop, name="engine-io", daemon=True),
                          self._tick_thread]
         self._init_handover_link()  # disaggregated roles: engine_proc/handover_link.py

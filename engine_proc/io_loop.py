@@ -74,8 +74,9 @@ class IOLoop:
             log.exception("I/O thread failed")
             self.fatal = exc
             self.stop()
-        else:  # deliver what the tick thread said last (finishes, failures)
-            self._tick_thread.join(timeout=2)
+        else:  # deliver what the tick loop said last (finishes, failures); it may run on the
+            # main thread (run_ticks), so wait for it to end, not for the tick thread object
+            self._ticks_done.wait(timeout=2)
             self._forward_tick_frames()
         finally:
             if monitor is not None:

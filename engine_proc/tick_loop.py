@@ -85,6 +85,7 @@ class TickLoop:
             if board is not None:
                 board.close()
             out.close(0)
+            self._ticks_done.set()
 
     def _drain_inbox(self, out: zmq.Socket) -> None:
         while True:
