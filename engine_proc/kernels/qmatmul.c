@@ -627,13 +627,20 @@ static void run_tiles_amx_column(int fmt, const uint8_t *w, int t0, int t1, int 
     _tile_release();
 }
 
-/* Tiles [t0, t1) on whichever loop fits Mpad; `buf` (4 · nb B tiles) only for the panel. */
-static void run_tiles_amx_any(int fmt, const uint8_t *w, int t0, int t1, int nb, const uint16_t *xa, int Mpad, int M,
-                              int K, const float *bias, void *y, int64_t ldy, int out_f32, uint16_t *buf) {
-    if (Mpad <= AMX_COLUMN_ROWS)
+/* Tiles [t0, t1) on whichever loop fits Mpad; the panel loop's buffer (4 · nb B tiles)
+ * is allocated here. Returns 0, or -1 when that buffer could not be. */
+static int run_tiles_amx_any(int fmt, const uint8_t *w, int t0, int t1, int nb, const uint16_t *xa, int Mpad, int M,
+                             int K, const float *bias, void *y, int64_t ldy, int out_f32) {
+    if (t1 <= t0) return 0;
+    if (Mpad <= AMX_COLUMN_ROWS) {
         run_tiles_amx_column(fmt, w, t0, t1, nb, xa, Mpad, M, K, bias, y, ldy, out_f32);
-    else
-        run_tiles_amx(fmt, w, t0, t1, nb, xa, Mpad, M, K, bias, y, ldy, out_f32, buf);
+        return 0;
+    }
+    uint16_t *buf = aligned_alloc(64, (size_t)4 * nb * 512 * 2);
+    if (!buf) return -1;
+    run_tiles_amx(fmt, w, t0, t1, nb, xa, Mpad, M, K, bias, y, ldy, out_f32, buf);
+    free(buf);
+    return 0;
 }
 
 /* The AMX pass: x copied into zero-padded rows, the tiles split across threads as above.
@@ -645,7 +652,6 @@ static int qmatmul_amx(int fmt, const uint8_t *w, int N, int K, const scalar_t *
     if (!xa) return -1;
     for (int r = 0; r < M; r++) memcpy(xa + (size_t)r * K, x + (int64_t)r * ldx, (size_t)K * 2);
     memset(xa + (size_t)M * K, 0, (size_t)(Mpad - M) * K * 2);
-    const size_t buf_bytes = Mpad <= AMX_COLUMN_ROWS ? 64 : (size_t)4 * nb * 512 * 2; /* the column loop: none */
     int failed = 0;
     if (nthreads > 1 && tiles > 2) {
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
@@ -656,20 +662,10 @@ static int qmatmul_amx(int fmt, const uint8_t *w, int N, int K, const scalar_t *
             const int pairs = (tiles + 1) / 2;
             const int t0 = 2 * (int)((int64_t)pairs * id / n), t1e = 2 * (int)((int64_t)pairs * (id + 1) / n);
             const int t1 = t1e < tiles ? t1e : tiles;
-            uint16_t *buf = t1 > t0 ? aligned_alloc(64, buf_bytes) : NULL;
-            if (t1 > t0 && !buf)
-                failed = 1;
-            else if (t1 > t0)
-                run_tiles_amx_any(fmt, w, t0, t1, nb, xa, Mpad, M, K, bias, y, ldy, out_f32, buf);
-            free(buf);
+            failed |= run_tiles_amx_any(fmt, w, t0, t1, nb, xa, Mpad, M, K, bias, y, ldy, out_f32) != 0;
         }
     } else {
-        uint16_t *buf = aligned_alloc(64, buf_bytes);
-        if (!buf)
-            failed = 1;
-        else
-            run_tiles_amx_any(fmt, w, 0, tiles, nb, xa, Mpad, M, K, bias, y, ldy, out_f32, buf);
-        free(buf);
+        failed = run_tiles_amx_any(fmt, w, 0, tiles, nb, xa, Mpad, M, K, bias, y, ldy, out_f32) != 0;
     }
     free(xa);
     return failed ? -1 : 0;
