@@ -136,6 +136,9 @@ class EngineServer(IOLoop, TickLoop, HandoverLink):
                 t.join(timeout)
 
     def close(self) -> None:
+        prefaulter = getattr(self.scheduler.backend, "kv_prefaulter", None)
+        if prefaulter is not None:
+            prefaulter.stop()
         if self.shm is not None:
             self.shm.close()
         self.inbound.close()

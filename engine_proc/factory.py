@@ -144,6 +144,7 @@ def make_backend(config: cfg.EngineConfig, model, max_model_len: int, pool: Bloc
         board.pin_home(usable_cpus())
     threads = ThreadPlan(config.torch_threads or usable_cpus(), config.single_thread_below, board=board)
     return PagedBackend(model, max_model_len, pool, kernels=config.kernels, threads=threads,
+                        kv_prefault=config.kv_prefault,
                         low_bit=getattr(model, LOW_BIT_ATTR, None))
 
 

@@ -89,6 +89,16 @@ class PagedKVCache:
         self.values = [torch.empty(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.zero_blocks([self.null_block])
 
+    def start_prefault(self):
+        """Start mapping this CPU cache's pages ahead of use (:mod:`engine_proc.kv_prefault`);
+        returns the running :class:`~engine_proc.kv_prefault.KVPrefaulter`, or None on
+        another device or where the host cannot (Linux before 5.14)."""
+        from engine_proc import kv_prefault
+
+        if self.keys[0].device.type != "cpu" or not kv_prefault.supported():
+            return None
+        return kv_prefault.KVPrefaulter(self.keys + self.values).start()
+
     def zero_blocks(self, block_ids: Sequence[int]) -> None:
         """Zero these blocks in every layer (a new row's blocks: their unwritten tail is
         then finite where a kernel reads but masks it)."""

@@ -108,7 +108,8 @@ class PagedBackend(Backend):
 
     def __init__(self, model: torch.nn.Module, max_model_len: int, block_pool: BlockPool,
                  decode_attention: DecodeAttention | str | None = None, kernels: str = "auto",
-                 runner: bool | None = None, threads: ThreadPlan | None = None, low_bit=None):
+                 runner: bool | None = None, threads: ThreadPlan | None = None, low_bit=None,
+                 kv_prefault: bool = False):
         """``decode_attention``: None → KERNEL. ``kernels``: ``auto`` (C on a CPU where
         they build, else torch ops) | ``c`` | ``torch``. ``runner``: None → the lean
         runner when the model is one it runs, False → always transformers. Raises
@@ -116,7 +117,8 @@ class PagedBackend(Backend):
         and KernelsUnavailable for ``kernels="c"`` where they cannot be built. ``low_bit``: packed
         low-bit projections (:class:`~engine_proc.gguf_weights.GGUFWeights`) for the lean
         runner, run by ``qmatmul.c`` for the passes :func:`~engine_proc.backends.linear.measure_crossover`
-        gives them (it raises KernelsUnavailable where that cannot be built)."""
+        gives them (it raises KernelsUnavailable where that cannot be built). ``kv_prefault``:
+        map the KV pool's pages ahead of use on an idle thread (:mod:`engine_proc.kv_prefault`)."""
         from engine_proc.backends.llama_runner import LlamaRunner, unsupported_reason
         from engine_proc.backends.prefill_attention import measure as measure_prefill_attention
 
@@ -177,6 +179,8 @@ class PagedBackend(Backend):
                                                                  self.threads)
         self._rows: dict[str, _Row] = {}
         self._decode: list[str] = []  # decode batch order
+        # last, after the start-up measurements: the pool's pages mapped ahead of use
+        self.kv_prefaulter = self.cache.start_prefault() if kv_prefault else None
 
     def _describe_matmul(self) -> str:
         """The runtime record's ``matmul``: which kernel a pass of how many rows takes."""
