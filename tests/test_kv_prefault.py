@@ -27,11 +27,20 @@ def resident_fraction(t: torch.Tensor) -> float:
     return sum(b & 1 for b in vec) / len(vec)
 
 
+MADV_DONTNEED = 4
+
+
 def big_cache() -> PagedKVCache:
-    # 64 MiB per tensor: above glibc's largest mmap threshold (32 MiB), so a fresh mapping
-    # whose pages no earlier test can have touched
-    return PagedKVCache(num_layers=2, num_blocks=16384, block_size=16, num_kv_heads=2, head_dim=64,
-                        dtype=torch.bfloat16, device=torch.device("cpu"))
+    """A 256 MiB pool whose pages are not mapped (as a fresh pool's are not): the allocator
+    may hand out memory an earlier test touched, so its whole pages are dropped first
+    (MADV_DONTNEED: they read back as zeros, mapped again at the next write)."""
+    cache = PagedKVCache(num_layers=2, num_blocks=16384, block_size=16, num_kv_heads=2, head_dim=64,
+                         dtype=torch.bfloat16, device=torch.device("cpu"))
+    for t in cache.keys + cache.values:
+        start = t.data_ptr()
+        assert kv_prefault._madvise(kv_prefault._libc(), start, start + t.numel() * t.element_size(),
+                                    MADV_DONTNEED) == 0
+    return cache
 
 
 def test_prefault_maps_every_page_and_keeps_the_contents():
