@@ -77,7 +77,7 @@ class EngineConfig:
     kv_budget_tokens: int = _opt(0, "gate 2: sum of prompt_len + max_tokens over running rows; 0 → kv_block_size · kv_num_blocks (active-KV budget in docs/scheduler.md)")
     kv_block_size: int = _opt(16, "tokens per KV cache block")
     kv_num_blocks: int = _opt(0, "blocks in the pool; 0 → enough for max_batch_size full-context rows, capped by kv_memory_fraction")
-    kv_memory_fraction: float = _opt(0.25, "when kv_num_blocks is 0, the pool takes at most this fraction of the accelerator's (or host's) free memory at start; 0 → no cap")
+    kv_memory_fraction: float = _opt(0.25, "when kv_num_blocks is 0, the pool takes at most this fraction of the accelerator's (or host's) free memory at start, within the process's memory cgroup limit; 0 → no cap")
     kv_prefault: bool = _opt(True, "map the KV pool's pages ahead of use on an idle-priority thread, so K/V writes do not page-fault inside forward passes; the pool is then resident (CPU, Linux 5.14+)")
     backend: str = _opt("paged", "paged (KV in the block pool, prefix caching) | hf (DynamicCache, left-padded)")
     quantization: str = _opt("auto", "weights' precision: auto (a Llama GGUF's own low-bit types on a CPU, as they are; else none) | none (de-quantized, in the model dtype) | int8 | int4 (the projections quantized at start: Q8_0, Q4_1)")

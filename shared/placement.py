@@ -35,15 +35,77 @@ def cpu_share(cpus: list[int], index: int, count: int) -> list[int]:
 
 
 def available_memory_bytes() -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo``; ``None`` where there is none."""
+    """Memory this process may still take, bytes: ``MemAvailable`` from ``/proc/meminfo``,
+    capped by its memory cgroup's headroom (:func:`cgroup_memory_headroom`: a container's
+    limit, not the host's free memory); ``None`` where neither is known."""
+    host = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    host = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return None
+    limit = cgroup_memory_headroom()
+    if host is None or limit is None:
+        return host if limit is None else limit
+    return min(host, limit)
+
+
+_UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+
+
+def cgroup_memory_headroom(proc_cgroup: str | os.PathLike = "/proc/self/cgroup",
+                           root: str | os.PathLike = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's memory cgroups still allow, the tightest over the process's
+    cgroup and its ancestors: ``limit − (usage − inactive file cache)`` (the working set, as
+    the kubelet counts it: inactive page cache is reclaimed before the limit bites).
+    cgroup v2 (``memory.max``, ``memory.current``, ``memory.stat`` ``inactive_file``) or v1
+    (``memory.limit_in_bytes``, ``memory.usage_in_bytes``, ``total_inactive_file``).
+    ``None`` where no level sets a limit or nothing can be read."""
+    root = Path(root)
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    best = None
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        parts = [p for p in path.strip().split("/") if p]
+        if hierarchy == "0" and controllers == "":  # v2 (under unified/ on a hybrid host)
+            top = root if (root / "cgroup.controllers").exists() else root / "unified"
+            names = ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):  # v1
+            top, names = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        for depth in range(len(parts), -1, -1):  # the process's cgroup, then each ancestor
+            headroom = _level_headroom(top.joinpath(*parts[:depth]), *names)
+            if headroom is not None:
+                best = headroom if best is None else min(best, headroom)
+    return best
+
+
+def _level_headroom(d: Path, limit_name: str, usage_name: str, inactive_name: str) -> int | None:
+    try:
+        raw = (d / limit_name).read_text().strip()
+        if raw == "max" or int(raw) >= _UNLIMITED:
+            return None
+        limit, usage = int(raw), int((d / usage_name).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    inactive = 0
+    try:
+        for line in (d / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == inactive_name:
+                inactive = int(value)
+                break
+    except (OSError, ValueError):
+        pass
+    return max(0, limit - max(0, usage - inactive))
 
 
 def weights_bytes(model_dir: str | os.PathLike) -> int:
