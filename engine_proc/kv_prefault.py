@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import os
 import threading
@@ -36,6 +37,7 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, contents uncha
 CHUNK_BYTES = 64 << 20  # per step, summed over every layer's K and V
 
 
+@functools.cache
 def _libc():
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -66,7 +68,7 @@ def _madvise(libc, start: int, end: int, advice: int, outward: bool = False) -> 
 def supported() -> bool:
     """Whether this host can populate pages without writing them (Linux ≥ 5.14)."""
     libc = _libc()
-    if libc is None or not hasattr(os, "sched_setscheduler"):
+    if libc is None:
         return False
     buf = (ctypes.c_char * (2 * _PAGE))()
     start = ctypes.addressof(buf)
@@ -86,19 +88,15 @@ class KVPrefaulter:
         for t in tensors:
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("KVPrefaulter takes contiguous CPU tensors")
-        self._tensors = list(tensors)
+        self._tensors = list(tensors)  # held so that the memory stays mapped while the walk runs
+        self._spans = [(t.data_ptr(), t[0].numel() * t.element_size()) for t in self._tensors]  # (base, bytes a block)
         self.num_blocks = self._tensors[0].shape[0] if self._tensors else 0
-        row_bytes = sum(t[0].numel() * t.element_size() for t in self._tensors) if self._tensors else 1
-        self._blocks_per_chunk = max(1, chunk_bytes // max(1, row_bytes))
+        self._blocks_per_chunk = max(1, chunk_bytes // max(1, sum(row for _, row in self._spans)))
         self._stop = threading.Event()
         self._done = threading.Event()
         self.state = "idle"
         self.blocks_done = 0
         self._thread: threading.Thread | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors)
 
     def start(self) -> KVPrefaulter:
         self.state = "running"
@@ -126,18 +124,15 @@ class KVPrefaulter:
             if libc is None:
                 self.state = "failed: no libc"
                 return
-            for t in self._tensors:
-                base = t.data_ptr()
-                _madvise(libc, base, base + t.numel() * t.element_size(), MADV_HUGEPAGE)
+            for base, row in self._spans:
+                _madvise(libc, base, base + self.num_blocks * row, MADV_HUGEPAGE)
             step = self._blocks_per_chunk
             for lo in range(0, self.num_blocks, step):
                 if self._stop.is_set():
                     self.state = "stopped"
                     return
                 hi = min(self.num_blocks, lo + step)
-                for t in self._tensors:
-                    row = t[0].numel() * t.element_size()
-                    base = t.data_ptr()
+                for base, row in self._spans:
                     err = _madvise(libc, base + lo * row, base + hi * row, MADV_POPULATE_WRITE,
                                    outward=True)
                     if err:

@@ -47,10 +47,8 @@ def available_memory_bytes() -> int | None:
                     break
     except OSError:
         pass
-    limit = cgroup_memory_headroom()
-    if host is None or limit is None:
-        return host if limit is None else limit
-    return min(host, limit)
+    known = [m for m in (host, cgroup_memory_headroom()) if m is not None]
+    return min(known) if known else None
 
 
 _UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
