@@ -38,17 +38,20 @@ def available_memory_bytes() -> int | None:
     """Memory this process may still take, bytes: ``MemAvailable`` from ``/proc/meminfo``,
     capped by its memory cgroup's headroom (:func:`cgroup_memory_headroom`: a container's
     limit, not the host's free memory); ``None`` where neither is known."""
-    host = None
+    known = [m for m in (host_memory_available(), cgroup_memory_headroom()) if m is not None]
+    return min(known) if known else None
+
+
+def host_memory_available() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo``, bytes; ``None`` where there is none."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    host = int(line.split()[1]) * 1024
-                    break
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
-    known = [m for m in (host, cgroup_memory_headroom()) if m is not None]
-    return min(known) if known else None
+    return None
 
 
 _UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
