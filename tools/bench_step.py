@@ -12,7 +12,10 @@ CPU time (matmuls, kernels, the rest). Prints one JSON document.
 
 With ``--quantization auto|int8|int4`` a third mode, ``served``, builds the backend as an
 engine does (``engine_proc.factory``: the GGUF's low-bit weights, the host's measured
-low-bit/dense crossover) and profiles the low-bit matmul (``tickserve::qmatmul``) too.
+low-bit/dense crossover) and profiles the low-bit matmul (``tickserve::qmatmul``) too. Where
+its decode steps run their layers in one C call (``engine_proc.backends.decode_loop``), the
+step is also timed with the layers' calls made from Python (``ms_per_step_python_layers``),
+and that is the run profiled (the C loop is one opaque call to the profiler).
 
 Usage:
     python tools/bench_step.py                                  # batch 1 and 64, bfloat16
@@ -110,13 +113,23 @@ def run_mode(model, batch: int, args, runner: bool, engine_config=None) -> dict:
         backend.decode_step_batched(rows, [5] * batch, [pos[0]] * batch)
         pos[0] += 1
 
-    step()
-    best = float("inf")
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        best = min(best, (time.perf_counter() - t0) / args.steps)
+    def timed() -> float:
+        step()
+        best = float("inf")
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            best = min(best, (time.perf_counter() - t0) / args.steps)
+        return best
+
+    loop = getattr(backend.runner, "decode_loop", None)
+    loop_used = loop is not None and loop.applies(batch)
+    best = timed()
+    extra = {}
+    if loop_used:  # the same step with the layers' calls made from Python; that loop is also the one profiled
+        backend.runner.decode_loop = None
+        extra = {"ms_per_step_python_layers": round(timed() * 1e3, 2)}
     originals = _profiled_kernels(backend.kernels) if backend.runner is not None else {}
     if engine_config is not None:
         _profiled_qmatmul(backend)  # the backend is not used after this run
@@ -132,7 +145,7 @@ def run_mode(model, batch: int, args, runner: bool, engine_config=None) -> dict:
            for e in events[:args.top]]
     return {"runner": backend.model_runner, "kernels": backend.kernels.name, "matmul": backend.matmul_plan,
             "weights": getattr(backend, "weights_precision", "") or "dense", "ms_per_step": round(best * 1e3, 2),
-            "tokens_per_s": round(batch / best, 1), "profile_top": top}
+            "tokens_per_s": round(batch / best, 1), "decode_layers_in_c": loop_used, **extra, "profile_top": top}
 
 
 def main(argv=None) -> int:

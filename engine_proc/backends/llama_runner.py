@@ -17,7 +17,9 @@ matmuls themselves. This runner reads the same weights and does, per layer::
     h   = rms_norm(x + residual)                      kernels.add_rms_norm
     x   = silu(h @ W_gateᵀ) · (h @ W_upᵀ) @ W_downᵀ    one matmul (gate, up fused) + kernels.silu_and_mul
 
-and the final norm and the LM head only on the positions whose logits are wanted.
+and the final norm and the LM head only on the positions whose logits are wanted. A
+decode-only pass on the low-bit weights runs the same calls over every layer from C, in
+one call (:mod:`engine_proc.backends.decode_loop`).
 The fused weight matrices become the storage of the model's own ``q/k/v_proj`` and
 ``gate/up_proj`` weights (views), so memory is not doubled and the model still runs
 through transformers unchanged.
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine_proc.backends.decode_loop import DecodeLoop
 from engine_proc.backends.linear import Linear, MatmulPlan
 from engine_proc.backends.prefill_attention import SDPA_ONLY, PrefillAttentionPlan, matmul_attention, sdpa_attention
 from engine_proc.kernels import NewKV, TorchKernels
@@ -148,6 +151,8 @@ class LlamaRunner:
         self.cos_sin = rope_table(inner.rotary_emb, max_model_len, self.head_dim, self.embed.device)
         # which path each prefill segment's attention takes (measured by the backend)
         self.prefill_plan: PrefillAttentionPlan = SDPA_ONLY
+        #: decode-only passes on the low-bit path run their layers in one C call (None: not here)
+        self.decode_loop: DecodeLoop | None = DecodeLoop.build(self)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, decode, prefill,
@@ -160,13 +165,26 @@ class LlamaRunner:
         then the prefill segments of ``prefill`` (a ``PagedForward`` or ``None``).
         ``positions`` and ``slots`` ``[T]`` int64: each token's position and KV-cache slot.
         """
+        num_decode = len(decode.seq_lens) if decode is not None else 0
+        residual = F.embedding(ids, self.embed)
+        if prefill is None and self.decode_loop is not None and self.decode_loop.applies(num_decode):
+            x = self.decode_loop.run(residual, positions, slots, decode)
+        else:
+            x = self._layers(residual, positions, slots, decode, prefill, num_decode)
+        last = residual.index_select(0, keep)
+        last.add_(x.index_select(0, keep))
+        return self.lm_head(self.kernels.add_rms_norm(last, None, self.norm, self.norm_eps))  # float32
+
+    def _layers(self, residual: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, decode, prefill,
+                num_decode: int) -> torch.Tensor:
+        """Every decoder layer, one kernel call at a time: ``residual`` ``[T, hidden]`` (the
+        embeddings) becomes the residual stream after the last attention block, in place;
+        returns the last layer's MLP output ``[T, hidden]``."""
         k_caches, v_caches = self.cache.keys, self.cache.values
         kern = self.kernels
         hd, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        num_decode = len(decode.seq_lens) if decode is not None else 0
         small, large = self._split_prefill(prefill, num_decode) if prefill is not None else (None, [])
         decode_slots = slots[:num_decode]
-        residual = F.embedding(ids, self.embed)
         x = None
         for i, layer in enumerate(self.layers):
             h = kern.add_rms_norm(residual if x is None else x, None if x is None else residual, layer.ln1, layer.eps1)
@@ -193,9 +211,7 @@ class LlamaRunner:
             x = layer.o(attn)
             h = kern.add_rms_norm(x, residual, layer.ln2, layer.eps2)
             x = layer.down(kern.silu_and_mul(layer.gate_up(h)))
-        last = residual.index_select(0, keep)
-        last.add_(x.index_select(0, keep))
-        return self.lm_head(kern.add_rms_norm(last, None, self.norm, self.norm_eps))  # float32
+        return x
 
     def _split_prefill(self, prefill, offset: int):
         """Short segments for the decode kernel — ``(rows [Tk] in the sequence, block tables

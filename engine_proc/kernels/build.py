@@ -84,8 +84,9 @@ SIGNATURES = {
     "silu_and_mul": [_P, _P, _I, _I, _I],
     "argmax_rows": [_P, _I64, _I, _I, _P, _I],
     "decode_attention_isa": [],
+    "decode_layers": [_P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _F, _I],
 }
-RESTYPES = {"decode_attention_isa": ctypes.c_char_p}
+RESTYPES = {"decode_attention_isa": ctypes.c_char_p, "decode_layers": _I}
 
 
 QMATMUL_SOURCE = Path(__file__).with_name("qmatmul.c")

@@ -922,3 +922,72 @@ void argmax_rows(const float *x, int64_t stride, int rows, int cols, int64_t *ou
         out[r] = at;
     }
 }
+
+/* ------------------------------------------------------------------ a decode step's layers */
+
+/* qmatmul.c's entry point (another library, built per dtype; its address comes from the
+ * caller): y[M, N] = x[M, K] · Wᵀ + bias on packed low-bit tiles; 0, or -1 without memory. */
+typedef int (*qmatmul_fn)(int fmt, const uint8_t *w, int n, int k, const scalar_t *x, int64_t ldx, int m,
+                          const float *bias, void *y, int64_t ldy, int out_f32, int nthreads);
+
+/* A packed low-bit projection (engine_proc.quant.PackedWeight); every field 8 bytes, so
+ * the ctypes mirror (engine_proc.backends.decode_loop) has no padding to agree on. */
+struct packed_linear {
+    int64_t fmt, out_features, in_features;
+    const uint8_t *data;
+    const float *bias; /* [out_features] float32, or NULL */
+};
+
+struct decode_layer {
+    const scalar_t *ln1, *ln2; /* the two RMSNorm weights, [hidden] */
+    double eps1, eps2;
+    struct packed_linear qkv, o, gate_up, down; /* q|k|v and gate|up fused along the output */
+    scalar_t *k_cache, *v_cache;                 /* this layer's KV cache (layout at the top) */
+};
+
+/* The decoder layers of one decode-only step, all in C: per layer the same kernel calls,
+ * in the same order and on the same buffers, as engine_proc/backends/llama_runner.py's
+ * loop (so the same numbers, bit for bit), without a return to Python between them.
+ * At one row a layer's arithmetic takes tens of microseconds and each of its ten calls
+ * from Python cost several more.
+ *
+ * batch rows, one token each (positions, slots [batch] int64; block_tables [batch,
+ * table_stride] int32; seq_lens [batch] int32, counting the new token). residual
+ * [batch, hidden] holds the embeddings on entry and the residual stream after the last
+ * layer's attention block on return; x [batch, hidden] the last layer's MLP output (the
+ * caller adds the two before the final norm). h [batch, hidden], qkv [batch,
+ * (heads + 2 · kv_heads) · D], attn [batch, heads · D], gate_up [batch, 2 · inter], act
+ * [batch, inter]: scratch, all contiguous. Returns 0, or -1 when qmatmul found no memory. */
+int decode_layers(qmatmul_fn qmatmul, const struct decode_layer *layers, int nlayers, int batch, int hidden,
+                  int heads, int kv_heads, int inter, scalar_t *residual, scalar_t *x, scalar_t *h, scalar_t *qkv,
+                  scalar_t *attn, scalar_t *gate_up, scalar_t *act, const int64_t *positions, const float *cos_sin,
+                  const int64_t *slots, const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                  float scale, int nthreads) {
+    const int hd = heads * D, kvd = kv_heads * D, width = hd + 2 * kvd;
+    for (int i = 0; i < nlayers; i++) {
+        const struct decode_layer *L = layers + i;
+        if (i == 0)
+            add_rms_norm(residual, 0, L->ln1, h, batch, hidden, (float)L->eps1, nthreads);
+        else
+            add_rms_norm(x, residual, L->ln1, h, batch, hidden, (float)L->eps1, nthreads);
+        if (qmatmul((int)L->qkv.fmt, L->qkv.data, width, hidden, h, hidden, batch, L->qkv.bias, qkv, width, 0,
+                    nthreads))
+            return -1;
+        /* every row is a decode row: keys rotated in place, each written by its attention */
+        rope_write_kv(qkv, width, batch, heads, kv_heads, positions, cos_sin, slots, L->k_cache, L->v_cache, nthreads,
+                      batch);
+        decode_attention(qkv, width, L->k_cache, L->v_cache, block_tables, table_stride, seq_lens, attn, hd, batch,
+                         kv_heads, scale, nthreads, qkv + hd, qkv + hd + kvd, width, slots);
+        if (qmatmul((int)L->o.fmt, L->o.data, hidden, hd, attn, hd, batch, L->o.bias, x, hidden, 0, nthreads))
+            return -1;
+        add_rms_norm(x, residual, L->ln2, h, batch, hidden, (float)L->eps2, nthreads);
+        if (qmatmul((int)L->gate_up.fmt, L->gate_up.data, 2 * inter, hidden, h, hidden, batch, L->gate_up.bias,
+                    gate_up, 2 * inter, 0, nthreads))
+            return -1;
+        silu_and_mul(gate_up, act, batch, inter, nthreads);
+        if (qmatmul((int)L->down.fmt, L->down.data, hidden, inter, act, inter, batch, L->down.bias, x, hidden, 0,
+                    nthreads))
+            return -1;
+    }
+    return 0;
+}
