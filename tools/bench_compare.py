@@ -23,6 +23,10 @@ and the ratio of each tickserve server to the best peer of the level (the vLLM,
 llama-server or ``--url`` server with the highest median tokens/s there), round by round. Names the host kind
 (CPU model; avx2 / AVX-512 / avx512_bf16 / AMX flags). Prints one JSON document on
 stdout; progress, and at the end a Markdown table of the figures, on stderr.
+A server that does not answer after being resumed is started again once; one that still
+fails is recorded as failed at that level (no figures, every request an error) and skipped at later ones
+(``llama-server`` is started afresh at each level anyway), so one server's failure does
+not end the run.
 
 Usage::
 
