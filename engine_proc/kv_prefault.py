@@ -104,6 +104,11 @@ class KVPrefaulter:
         self._thread.start()
         return self
 
+    @property
+    def running(self) -> bool:
+        """Whether the walk is still mapping pages (it has been started and has not ended)."""
+        return self.state == "running"
+
     def wait(self, timeout: float | None = None) -> bool:
         """True once every block's pages are mapped (False on timeout, stop or failure)."""
         self._done.wait(timeout)

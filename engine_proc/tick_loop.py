@@ -54,13 +54,16 @@ class TickLoop:
         out.connect(TICK_OUT_ADDR + self.engine_id)
         # engines of one host lend idle cores (engine_proc/core_lending.py): say whether this one is busy
         board = getattr(getattr(self.scheduler.backend, "threads", None), "board", None)
+        # a core whose KV pool is still being mapped is not idle: lent out, the borrowed threads
+        # waited on the walk there (one stream 7x slower while a sibling engine's walk ran)
+        prefaulter = getattr(self.scheduler.backend, "kv_prefaulter", None)
         try:
             while not self._stop.is_set():
                 with self.backend_lock:
                     self._drain_inbox(out)
                     busy = self.scheduler.has_work()
                     if board is not None:
-                        board.publish(busy)
+                        board.publish(busy or (prefaulter is not None and prefaulter.running))
                     if busy:
                         outputs = self.scheduler.step(stream=lambda early: self._send_outputs(out, early))
                     else:

@@ -117,9 +117,11 @@ def test_pin_home_keeps_the_engine_thread_on_its_share_and_the_pool_threads_free
 def test_an_engine_process_publishes_whether_it_is_busy(tmp_path, tiny_model_dir):
     board = tmp_path / "cores.board"
     create_board(str(board), 2)
-    group, base = start_stack(tmp_path, tiny_model_dir, tmp_path / "run", core_board=board, core_board_slot=1)
+    group, base = start_stack(tmp_path, tiny_model_dir, tmp_path / "run", core_board=board, core_board_slot=1,
+                              kv_num_blocks=4096)
     try:
-        assert _slots(board)[0] == 0 and _slots(board)[1] >= 0  # idle (since start, or ever)
+        wait_for(lambda: _slots(board)[1] >= 0, 10, what="the engine's slot idle once its KV pool is mapped")
+        assert _slots(board)[0] == 0  # never written: no engine in that slot
         with urllib.request.urlopen(base + "/v1/models", timeout=10) as resp:
             model = json.load(resp)["data"][0]["id"]
         body = json.dumps({"model": model, "prompt": "hello there", "max_tokens": 200, "ignore_eos": True,
@@ -139,5 +141,37 @@ def test_an_engine_process_publishes_whether_it_is_busy(tmp_path, tiny_model_dir
         reader.join(120)
         assert not reader.is_alive()
         wait_for(lambda: _slots(board)[1] > 0, 10, what="the engine's slot idle again after the request")
+    finally:
+        group.close()
+
+
+def test_an_engine_lends_no_core_while_its_kv_pool_is_being_mapped(tmp_path, tiny_model_dir):
+    """The KV prefault walk (engine_proc/kv_prefault.py) runs on the engine's own core: a
+    sibling's threads borrowed onto it waited on the walk, so the slot reads busy until the
+    pool is resident. Sampled from the engine's start: whenever the slot reads idle, the
+    whole pool (3 GiB: 2 layers × K, V × 2 KV heads × 16 dims × 16 tokens × 4 bytes a
+    block) is resident."""
+    blocks, block_bytes = 393216, 2 * 2 * 2 * 16 * 16 * 4
+    pool = blocks * block_bytes
+    board = tmp_path / "cores.board"
+    create_board(str(board), 2)
+    group, base = start_stack(tmp_path, tiny_model_dir, tmp_path / "run", core_board=board, core_board_slot=1,
+                              kv_num_blocks=blocks, max_model_len=256)
+    try:
+        engine = group.procs[0].popen.pid
+        page = os.sysconf("SC_PAGE_SIZE")
+        idle_rss = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            state = _slots(board)[1]
+            with open(f"/proc/{engine}/statm") as f:
+                rss = int(f.read().split()[1]) * page
+            if state > 0:  # idle since that time: published after the walk ended
+                idle_rss.append(rss)
+                if len(idle_rss) >= 3:
+                    break
+            time.sleep(0.02)
+        assert idle_rss, "the engine's slot never turned idle after its pool was mapped"
+        assert min(idle_rss) >= pool, f"slot idle with {min(idle_rss) >> 20} MiB resident, pool {pool >> 20} MiB"
     finally:
         group.close()
