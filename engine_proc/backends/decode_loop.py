@@ -3,8 +3,8 @@
 :class:`~engine_proc.backends.llama_runner.LlamaRunner` runs a layer as ten kernel calls
 from Python (two RMSNorms, four low-bit matmuls, RoPE, attention, SiLU, and the tensors
 between them). At one decode row a layer's arithmetic takes tens of microseconds and
-each of those calls costs several more in Python and ctypes, so at one stream about
-half of a step was spent between kernels. ``cpu_kernels.c``'s ``decode_layers`` makes the
+each of those calls costs several more in Python and ctypes, so at one stream about a
+quarter of a step was spent between kernels. ``cpu_kernels.c``'s ``decode_layers`` makes the
 same calls, in the same order, on the same buffers, from C: one call a step for all
 layers, with the same numbers bit for bit (``tests/test_decode_loop.py``).
 
@@ -55,10 +55,8 @@ class DecodeLoop:
         self.runner = runner  # keeps the tensors the records point into alive
         self.records = (_DecodeLayer * len(records))(*records)
         self.lib = runner.kernels.lib
-        qmatmul = runner.layers[0].qkv.qmatmul
-        self.qmatmul = qmatmul
-        self.qmatmul_fn = ctypes.cast(qmatmul.lib.qmatmul, ctypes.c_void_p).value
         first = runner.layers[0]
+        self.qmatmul_fn = ctypes.cast(first.qkv.qmatmul.lib.qmatmul, ctypes.c_void_p).value
         self.hidden = first.o.out_features
         self.inter = first.down.parts[0].in_features
         self.width = first.qkv.out_features

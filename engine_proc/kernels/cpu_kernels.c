@@ -966,10 +966,8 @@ int decode_layers(qmatmul_fn qmatmul, const struct decode_layer *layers, int nla
     const int hd = heads * D, kvd = kv_heads * D, width = hd + 2 * kvd;
     for (int i = 0; i < nlayers; i++) {
         const struct decode_layer *L = layers + i;
-        if (i == 0)
-            add_rms_norm(residual, 0, L->ln1, h, batch, hidden, (float)L->eps1, nthreads);
-        else
-            add_rms_norm(x, residual, L->ln1, h, batch, hidden, (float)L->eps1, nthreads);
+        /* the first layer normalizes the embeddings; the others add the last MLP output first */
+        add_rms_norm(i ? x : residual, i ? residual : 0, L->ln1, h, batch, hidden, (float)L->eps1, nthreads);
         if (qmatmul((int)L->qkv.fmt, L->qkv.data, width, hidden, h, hidden, batch, L->qkv.bias, qkv, width, 0,
                     nthreads))
             return -1;
