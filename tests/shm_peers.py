@@ -93,7 +93,8 @@ def torn_index_loads(old: bool = False, stores: int = 2_000_000) -> dict:
     """Two processes on one ring: a child stores HEAD and TAIL ``stores`` times each while
     this process loads both; a load is torn when its 16-bit lanes differ (bytes of two
     stores) or it is 0 after a store was seen. ``old``: struct's ``"<Q"`` accessors instead
-    of the ring's single 8-byte ones. ``{"loads", "torn", "seen_stored"}``."""
+    of the ring's single 8-byte ones. ``{"loads", "torn", "seen_stored", "samples"}``, where
+    ``samples`` holds up to 8 torn loads as ``(load number, "head"/"tail", hex value)``."""
     import os
     import struct
     import subprocess
@@ -108,12 +109,16 @@ def torn_index_loads(old: bool = False, stores: int = 2_000_000) -> dict:
                              pass_fds=(fd, bell), env=_env(), cwd=REPO)
     U, idx, buf, k = struct.Struct("<Q"), ring._idx, ring.buf, 0x0001000100010001
     loads = torn = stored = 0
+    samples: list = []
     try:
         while True:
             for _ in range(10_000):
                 for slot in (shm_ring._TAIL, shm_ring._HEAD):
                     v = U.unpack_from(buf, slot * 8)[0] if old else idx[slot]
-                    torn += v != (v & 0xFFFF) * k or (v == 0 and stored > 0)
+                    if v != (v & 0xFFFF) * k or (v == 0 and stored > 0):
+                        torn += 1
+                        if len(samples) < 8:
+                            samples.append((loads, "tail" if slot == shm_ring._TAIL else "head", hex(v)))
                     stored += v != 0
                 loads += 2
             try:
@@ -127,4 +132,4 @@ def torn_index_loads(old: bool = False, stores: int = 2_000_000) -> dict:
         os.close(fd)
         os.close(bell)
         ring.close()
-    return {"loads": loads, "torn": torn, "seen_stored": stored}
+    return {"loads": loads, "torn": torn, "seen_stored": stored, "samples": samples}
