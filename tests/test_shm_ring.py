@@ -156,7 +156,7 @@ def test_index_loads_and_stores_are_never_torn_across_processes():
     A run with torn loads is run once more, and that run must have none: an accessor that is
     not one 8-byte access tears thousands of loads in every run, so it still fails here. CI
     saw one run with 5 of 2.56 M loads torn once (the samples were not kept then) and 0 in
-    every run since, locally 0 in 50 M loads with and without both cores loaded; the samples
+    every run since, locally 0 in over 40 M loads with and without both cores loaded; the samples
     of a torn run are in the message, to tell an accessor fault from the host's."""
     first = peers.torn_index_loads(old=False, stores=2_000_000)
     got = first if first["torn"] == 0 else peers.torn_index_loads(old=False, stores=2_000_000)
